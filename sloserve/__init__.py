@@ -1,0 +1,3 @@
+"""sloserve: SLO-aware adaptive speculative decoding serving."""
+
+__version__ = "0.1.0"
