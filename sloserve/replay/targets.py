@@ -1,0 +1,64 @@
+"""Targets: whatever replays a list of requests and measures them.
+
+A target sends each `ReplayRequest` at its arrival time (open loop: arrivals never wait for
+earlier responses), streams the output and returns one `RequestRecord` per request, in the
+order of the input list. Kinds:
+
+- "http": a server speaking SGLang's native `/generate` streaming protocol (http_target.py).
+  The server runs one speculation policy; the policy name only labels the results, so each
+  policy needs its own server (URL).
+- "inprocess": the sloserve engine in this process (pending the engine).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from sloserve.replay.records import ReplayRequest, RequestRecord, SpecStats
+
+TARGET_KINDS = ("http", "inprocess")
+
+Progress = Callable[[RequestRecord], None]  # called once per finished request
+
+
+class Target(Protocol):
+    """Replays requests against a serving system."""
+
+    async def run(
+        self, requests: list[ReplayRequest], progress: Progress | None
+    ) -> list[RequestRecord]:
+        """Send every request at its arrival_s after the run start; one record per request,
+        in input order, with times in seconds since the run start."""
+        ...
+
+    def spec_stats(self) -> SpecStats | None:
+        """Engine-side speculation counters of the last run, if the target can see them."""
+        ...
+
+
+def make_target(
+    kind: str,
+    policy: str,
+    *,
+    url: str | None = None,
+    temperature: float = 0.0,
+    timeout_s: float | None = None,
+    max_concurrency: int | None = None,
+) -> Target:
+    """Build the target that replays with `policy`.
+
+    http: `url` is the server's base URL (the server must be running `policy`).
+    inprocess: not available yet (raises NotImplementedError).
+    """
+    if kind == "http":
+        from sloserve.replay.http_target import SGLangHTTPTarget
+
+        if not url:
+            raise ValueError(f"the http target needs a URL (policy {policy!r})")
+        return SGLangHTTPTarget(
+            url, temperature=temperature, timeout_s=timeout_s, max_concurrency=max_concurrency
+        )
+    if kind == "inprocess":
+        raise NotImplementedError("in-process target: pending engine")
+    raise ValueError(f"unknown target kind {kind!r}; expected one of {TARGET_KINDS}")
