@@ -21,7 +21,7 @@ class ForwardCost:
         return self.a * n_ctx + self.b * n_q + self.c
 
     @staticmethod
-    def free() -> "ForwardCost":
+    def free() -> ForwardCost:
         """A drafter with no forward pass (the n-gram drafter)."""
         return ForwardCost(0.0, 0.0, 0.0)
 

@@ -110,6 +110,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timeout-s", type=float, default=None, help="per-request timeout")
     g.add_argument("--max-concurrency", type=int, default=None)
 
+    g = p.add_argument_group("in-process engine (--target inprocess)")
+    g.add_argument("--model-path", default=None, help="target model dir (default: built-in)")
+    g.add_argument("--draft-model-path", default=None, help="draft model dir (default: built-in)")
+    g.add_argument("--drafter", default="model", choices=["model", "ngram"])
+    g.add_argument("--k-max", type=int, default=8)
+    g.add_argument("--max-running-requests", type=int, default=64)
+    g.add_argument("--kv-cache-tokens", type=int, default=65536)
+    g.add_argument("--engine-slo", choices=["on", "off"], default="on",
+                   help="give the engine the base TPOT SLO (--tpot-slo-ms) as its default")
+
     g = p.add_argument_group("output")
     g.add_argument("--out", type=Path, default=Path("runs/replay"), help="report directory")
     g.add_argument("--no-plots", action="store_true")
@@ -180,6 +190,19 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
     return [make_workload(name, trace, label, scaling, source) for label, scaling in levels]
 
 
+def engine_config(args: argparse.Namespace):
+    """The in-process engine's config (policy set per target)."""
+    from sloserve.runtime.config import EngineConfig
+    from sloserve.runtime.scheduler import SchedulerConfig
+
+    return EngineConfig(
+        model_path=args.model_path, draft_model_path=args.draft_model_path,
+        drafter=args.drafter, k_max=args.k_max, kv_cache_tokens=args.kv_cache_tokens,
+        tpot_slo=args.tpot_slo_ms / 1000.0 if args.engine_slo == "on" else None,
+        scheduler=SchedulerConfig(max_running_requests=args.max_running_requests),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cells_in = workloads(args)
@@ -200,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         targets: dict[str, Target] = {
             p: make_target(args.target, p, url=urls[p], temperature=args.temperature,
-                           timeout_s=args.timeout_s, max_concurrency=args.max_concurrency)
+                           timeout_s=args.timeout_s, max_concurrency=args.max_concurrency,
+                           engine_config=engine_config(args))
             for p in args.policies
         }
     except (NotImplementedError, ValueError) as e:

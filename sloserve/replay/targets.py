@@ -7,7 +7,8 @@ order of the input list. Kinds:
 - "http": a server speaking SGLang's native `/generate` streaming protocol (http_target.py).
   The server runs one speculation policy; the policy name only labels the results, so each
   policy needs its own server (URL).
-- "inprocess": the sloserve engine in this process (pending the engine).
+- "inprocess": the sloserve engine in this process (inprocess_target.py); one model pair is
+  loaded and shared, each policy gets its own engine and policy object.
 """
 
 from __future__ import annotations
@@ -45,11 +46,12 @@ def make_target(
     temperature: float = 0.0,
     timeout_s: float | None = None,
     max_concurrency: int | None = None,
+    engine_config=None,
 ) -> Target:
     """Build the target that replays with `policy`.
 
     http: `url` is the server's base URL (the server must be running `policy`).
-    inprocess: not available yet (raises NotImplementedError).
+    inprocess: `engine_config` (an EngineConfig; its spec_policy is replaced by `policy`).
     """
     if kind == "http":
         from sloserve.replay.http_target import SGLangHTTPTarget
@@ -60,5 +62,11 @@ def make_target(
             url, temperature=temperature, timeout_s=timeout_s, max_concurrency=max_concurrency
         )
     if kind == "inprocess":
-        raise NotImplementedError("in-process target: pending engine")
+        import dataclasses
+
+        from sloserve.replay.inprocess_target import InProcessTarget
+        from sloserve.runtime.config import EngineConfig
+
+        cfg = dataclasses.replace(engine_config or EngineConfig(), spec_policy=policy)
+        return InProcessTarget(cfg, temperature=temperature, timeout_s=timeout_s)
     raise ValueError(f"unknown target kind {kind!r}; expected one of {TARGET_KINDS}")

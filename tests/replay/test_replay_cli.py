@@ -31,9 +31,20 @@ def test_dry_run_on_a_committed_trace(capsys):
     assert "first 50 requests" in out and "input x0.5" in out
 
 
-def test_inprocess_target_is_pending(capsys):
-    assert main(["--synthetic", "poisson", "--num-requests", "3", "--target", "inprocess"]) == 2
-    assert "pending engine" in capsys.readouterr().err
+def test_inprocess_replay_end_to_end(tiny_pair, tmp_path):
+    """The whole tool on the real engine (tiny pair): two policies, same requests, report."""
+    out = tmp_path / "rep"
+    argv = ["--synthetic", "poisson", "--arrival-rate", "20", "--num-requests", "10",
+            "--input-len", "uniform:8:40", "--output-len", "fixed:12", "--prompts", "synthetic-ids",
+            "--vocab-size", "2048", "--id-low", "10", "--target", "inprocess",
+            "--model-path", tiny_pair[0], "--draft-model-path", tiny_pair[1],
+            "--policies", "ar,fixed:3", "--no-progress", "--no-plots", "--out", str(out)]
+    assert main(argv) == 0
+    report = json.loads((out / "report.json").read_text())
+    text = json.dumps(report)
+    assert '"fixed:3"' in text and '"ar"' in text
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert len(records) == 20 and all(r["success"] and r["output_tokens"] == 12 for r in records)
 
 
 def test_policy_urls():

@@ -86,8 +86,10 @@ def test_sse_line_parsing():
 
 def test_make_target():
     assert isinstance(make_target("http", "ar", url="http://x:1"), SGLangHTTPTarget)
-    with pytest.raises(NotImplementedError, match="pending engine"):
-        make_target("inprocess", "specserve")
+    from sloserve.replay.inprocess_target import InProcessTarget
+
+    t = make_target("inprocess", "specserve")
+    assert isinstance(t, InProcessTarget) and t.cfg.spec_policy == "specserve"
     with pytest.raises(ValueError, match="needs a URL"):
         make_target("http", "ar")
     with pytest.raises(ValueError, match="unknown target kind"):

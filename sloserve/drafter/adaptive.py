@@ -1,0 +1,173 @@
+"""SpecServe adaptive drafter: predict-execute-correct (SpecServe Alg. 1, DESIGN.md sec. 5).
+
+Predict: before each draft forward, request r's next conditional acceptance is predicted from
+its history, an EMA of g(c) over its recent draft tokens (c the draft confidence, g the
+calibration map; averaging g(c) rather than c estimates E[g(c)] directly). New requests start
+from a global EMA of those predictions. Drafting position j + 1 for r then adds
+gain_r = P_{r,j} * pred_r expected tokens and cost_r = a_d ctx_{r,j+1} + b_d + b_t seconds
+(its share of the draft forward plus one more verified token), and the forward itself adds
+c_d. The subset S maximising (tokens + sum_S gain) / (T + c_d + sum_S cost) is a prefix of the
+requests sorted by gain / cost, so one sort and two prefix sums score every candidate subset;
+prefixes whose step time breaks the SLO score -1 (the rule of `efficiency.score`).
+
+Execute: the forward runs only for the best subset, and only if it beats the current plan's
+E; otherwise drafting stops for everyone.
+
+Correct: after the forward, the real confidences replace the prediction: P_{r,j+1} =
+P_{r,j} g(c_{r,j+1}), the expected token sum is updated, and the request's EMA absorbs
+g(c_{r,j+1}), so the next prediction already uses it. Requests whose chain probability fell
+below `collapse` (default 0.05: at most 1 in 20 chances the next token is even reached) leave
+the draft batch, which makes the remaining draft forwards cheaper.
+
+`start` is the same decision at j = 0: draft at all only if one draft step is predicted to
+beat plain decoding within the SLO. E over k is unimodal, so stopping at the first step that
+does not raise E is where the search would stop anyway.
+
+Per-step state is cached (StepTimer sums, the binding SLO, P, the plan's tokens and time), so
+each call is a fixed handful of numpy operations, independent of B in count.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sloserve.drafter.policy import StepInfo, VerifyOutcome
+from sloserve.drafter.state import RequestTable
+from sloserve.estimator.acceptance import ConfidenceCalibrator
+from sloserve.estimator.cost_model import CostModel
+from sloserve.estimator.efficiency import SLO_VIOLATION, binding_slo
+from sloserve.estimator.step_time import StepTimer
+
+
+class AdaptiveDrafter:
+    """Step-level draft length control, per request, with per-step cached state."""
+
+    def __init__(
+        self,
+        cost: CostModel,
+        calibrator: ConfidenceCalibrator,
+        *,
+        ema: float = 0.3,
+        collapse: float = 0.05,
+        prior: float = 0.6,
+        prior_ema: float = 0.05,
+    ) -> None:
+        self.cost = cost
+        self.g = calibrator
+        self.ema = ema  # weight of the newest draft token in a request's EMA
+        self.collapse = collapse  # chain probability below which a request stops drafting
+        self.prior = prior  # global EMA of g(c): the prediction for new requests
+        self.prior_ema = prior_ema
+        self.history = RequestTable()  # per-request EMA of g(confidence)
+        self.step: StepInfo | None = None  # the step the fields below belong to
+        self.timer: StepTimer | None = None
+        self.k_max = 0
+        self.slo = float("inf")
+        self.slots = np.zeros(0, dtype=np.int64)  # [B]
+        self.pred = np.zeros(0)  # [B] predicted acceptance of the next draft token
+        self.p_last = np.zeros(0)  # [B] chain probability of the last drafted position
+        self.tokens = 0.0  # expected tokens of the current plan (all drafts verified)
+        self.time = 0.0  # step time of the current plan
+        # [k_max, B] chain probabilities, position-major; +inf where not drafted
+        self.P = np.zeros((0, 0))
+        self.costs = np.zeros((0, 0))  # [k_max, B] StepTimer.draft_token_cost(j) rows
+
+    def start(self, step: StepInfo, k_max: int) -> np.ndarray:
+        """[B] bool: who drafts position 1."""
+        self._begin(step, k_max)
+        if k_max <= 0 or step.batch_size == 0:
+            return np.zeros(step.batch_size, dtype=bool)
+        return self._grow(0, self.p_last)
+
+    def extend(self, step: StepInfo, confidences: np.ndarray, drafting: np.ndarray) -> np.ndarray:
+        """Correct with position j's real confidences, then decide position j + 1."""
+        if self.step is not step:  # called without start (tests, a confused caller)
+            self._begin(step, step.k_max)
+        j = confidences.shape[1]
+        self._correct(j, confidences[:, j - 1], drafting)
+        if j >= self.k_max:
+            return np.zeros(step.batch_size, dtype=bool)
+        # requests still drafting whose chain has not collapsed (p_last is 0 for the others)
+        return self._grow(j, self.p_last >= self.collapse)
+
+    def observe(self, step: StepInfo, outcome: VerifyOutcome) -> None:
+        """Calibrate g, keep the per-request histories, refresh the global prior."""
+        conf = np.asarray(outcome.confidences, dtype=np.float64)
+        self.g.update(conf, outcome.verified, outcome.accepted)
+        if self.step is step and step.batch_size:
+            self.history.values[self.slots] = self.pred
+            # the prior follows the mean prediction over the live requests
+            self.prior += self.prior_ema * (float(self.pred.mean()) - self.prior)
+
+    def release(self, request_id: str) -> None:
+        self.history.release(request_id)
+
+    def _begin(self, step: StepInfo, k_max: int) -> None:
+        B = step.batch_size
+        self.step = step
+        self.timer = StepTimer(self.cost, step)
+        self.k_max = k_max
+        self.slo = binding_slo(step)
+        self.slots = self.history.slots(step.request_ids, fill=self.prior)
+        self.pred = self.history.values[self.slots]  # fancy index: a copy
+        self.p_last = np.ones(B)
+        self.tokens = float(B)  # plain decoding: one token each
+        self.time = self.timer.plain
+        self.P = np.full((k_max, B), np.inf)
+        self.costs = self.timer.draft_token_costs(k_max)  # [k_max, B] per-token seconds
+        if self.cost.draft.b + self.cost.target.b <= 0.0:  # free tokens: keep gain/cost finite
+            self.costs = np.maximum(self.costs, 1e-12)
+
+    def plan_matches(self, confidences: np.ndarray, drafted: np.ndarray) -> bool:
+        """True when P, tokens and time describe the engine's plan exactly: every drafted
+        position went through `extend`. An engine that skips the `extend` after the last
+        draft forward is caught up here from `confidences` (that position was planned)."""
+        s = int(drafted.max(initial=0))
+        if s > self.P.shape[0]:
+            return False
+        missing = drafted - np.isfinite(self.P[:s]).sum(axis=0)  # [B]
+        if not missing.any():
+            return True
+        last = missing == 1
+        if missing.min() < 0 or missing.max() > 1 or not np.all(drafted[last] == s):
+            return False
+        self._correct(s, confidences[:, s - 1], last)
+        return True
+
+    def _grow(self, j: int, weight: np.ndarray) -> np.ndarray:
+        """Predict and pick the requests that draft position j + 1. weight: [B] 1 for
+        candidates (0 or False for the others); with self.p_last it gives each one's gain."""
+        gain = self.p_last * self.pred
+        gain *= weight  # [B] expected extra tokens (0 for non-candidates)
+        cost = self.costs[j]  # [B] seconds
+        order = (gain / cost).argsort()[::-1]  # best tokens per second first
+        tokens = gain.take(order)
+        tokens[0] += self.tokens  # so the prefix sums start from the current plan
+        tokens = tokens.cumsum()  # [B] plan with the first i + 1 of order
+        time = cost.take(order)
+        time[0] += self.time + self.cost.draft.c
+        time = time.cumsum()
+        e = tokens / time  # E of each prefix
+        if self.slo < float("inf"):
+            e[time > self.slo] = SLO_VIOLATION
+        best = int(e.argmax())
+        drafting = np.zeros(weight.size, dtype=bool)
+        # a prefix ending in a zero-gain request always scores lower than the one before
+        if e[best] <= self.tokens / self.time:
+            return drafting
+        drafting[order[: best + 1]] = True
+        self.time = float(time[best])
+        return drafting
+
+    def _correct(self, j: int, conf: np.ndarray, drafting: np.ndarray) -> None:
+        """Replace the prediction of position j (just drafted) by its real confidence."""
+        acc = self.g(np.fmax(conf, 0.0))  # [B] g(c); NaN (not drafted) -> g(0)
+        p = self.p_last * acc
+        p *= drafting
+        self.p_last = p
+        np.copyto(self.P[j - 1], p, where=drafting)
+        self.tokens += float(p.sum())
+        delta = acc - self.pred  # the EMA moves only for requests that drafted
+        delta *= drafting
+        delta *= self.ema
+        self.pred += delta

@@ -1,0 +1,131 @@
+"""Build a speculation policy from its spec string (`--spec-policy` and the bench harness).
+
+Specs (a name, optionally ':' and an argument):
+
+    ar                  no speculation
+    fixed:K             draft and verify K tokens per request (1 <= K <= k_max)
+    hf-heuristic[:K0]   HF num_assistant_tokens_schedule="heuristic", start K0 (default 5)
+    hf-threshold[:T]    HF assistant_confidence_threshold, T default 0.4
+    goodput             SmartSpec / TurboSpec goodput argmax
+    lut[:B=K,...]       batch-size lookup table; without a table, derived from the cost model
+    sglang-adaptive     SGLang EMA of accepted length with hysteresis, per batch-size range
+    specserve-drafter   SpecServe adaptive drafter only (verifies all drafted)
+    specserve           SpecServe adaptive drafter + confidence-prior verifier
+
+`drafter` is the draft source: "model" (a draft LLM) or "ngram" (prompt lookup; pass a
+cost model whose draft forward is ~free, e.g. ForwardCost.free()). It changes the goodput
+baseline to TurboSpec's n-gram mode (propose k_max, choose the verification length).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sloserve.drafter.ar import ARPolicy
+from sloserve.drafter.fixed import FixedPolicy
+from sloserve.drafter.goodput import GoodputPolicy
+from sloserve.drafter.hf import HFHeuristicPolicy, HFThresholdPolicy
+from sloserve.drafter.lut import LookupTablePolicy, default_table, parse_table
+from sloserve.drafter.policy import SpecPolicy
+from sloserve.drafter.sglang_adaptive import SGLangAdaptivePolicy
+from sloserve.drafter.specserve import SpecServePolicy
+from sloserve.estimator.cost_model import CostModel
+
+# the baseline set of DESIGN.md sec. 7; every entry is a valid spec
+POLICY_NAMES: list[str] = [
+    "ar",
+    "fixed:1",
+    "fixed:3",
+    "fixed:5",
+    "hf-heuristic",
+    "hf-threshold",
+    "goodput",
+    "lut",
+    "sglang-adaptive",
+    "specserve-drafter",
+    "specserve",
+]
+SPEC_GRAMMAR = (
+    "ar, fixed:K, hf-heuristic[:K0], hf-threshold[:T], goodput, lut[:B=K,...], "
+    "sglang-adaptive, specserve-drafter, specserve"
+)
+DRAFTERS = ("model", "ngram")
+
+Builder = Callable[[str | None, CostModel, int, str], SpecPolicy]
+
+
+def _no_arg(name: str, arg: str | None) -> None:
+    if arg is not None:
+        raise ValueError(f"policy {name!r} takes no argument, got {name}:{arg}")
+
+
+def _ar(arg: str | None, cost: CostModel, k_max: int, drafter: str) -> SpecPolicy:
+    _no_arg("ar", arg)
+    return ARPolicy()
+
+
+def _fixed(arg: str | None, cost: CostModel, k_max: int, drafter: str) -> SpecPolicy:
+    if arg is None:
+        raise ValueError("policy 'fixed' needs a length: fixed:K")
+    return FixedPolicy(int(arg), k_max)
+
+
+def _hf_heuristic(arg: str | None, cost: CostModel, k_max: int, drafter: str) -> SpecPolicy:
+    return HFHeuristicPolicy(k_max) if arg is None else HFHeuristicPolicy(k_max, int(arg))
+
+
+def _hf_threshold(arg: str | None, cost: CostModel, k_max: int, drafter: str) -> SpecPolicy:
+    return HFThresholdPolicy(k_max) if arg is None else HFThresholdPolicy(k_max, float(arg))
+
+
+def _goodput(arg: str | None, cost: CostModel, k_max: int, drafter: str) -> SpecPolicy:
+    _no_arg("goodput", arg)
+    return GoodputPolicy(cost, k_max, drafter=drafter)
+
+
+def _lut(arg: str | None, cost: CostModel, k_max: int, drafter: str) -> SpecPolicy:
+    table = default_table(cost, k_max) if arg is None else parse_table(arg)
+    return LookupTablePolicy(table, k_max)
+
+
+def _sglang(arg: str | None, cost: CostModel, k_max: int, drafter: str) -> SpecPolicy:
+    _no_arg("sglang-adaptive", arg)
+    return SGLangAdaptivePolicy(k_max)
+
+
+def _specserve(verifier: bool) -> Builder:
+    def build(arg: str | None, cost: CostModel, k_max: int, drafter: str) -> SpecPolicy:
+        _no_arg("specserve" if verifier else "specserve-drafter", arg)
+        return SpecServePolicy(cost, k_max, verifier=verifier)
+
+    return build
+
+
+_BUILDERS: dict[str, Builder] = {
+    "ar": _ar,
+    "fixed": _fixed,
+    "hf-heuristic": _hf_heuristic,
+    "hf-threshold": _hf_threshold,
+    "goodput": _goodput,
+    "lut": _lut,
+    "sglang-adaptive": _sglang,
+    "specserve-drafter": _specserve(False),
+    "specserve": _specserve(True),
+}
+
+
+def make_policy(spec: str, cost: CostModel, *, k_max: int, drafter: str = "model") -> SpecPolicy:
+    """The policy named by `spec` (see the module docstring). Raises ValueError naming the
+    valid choices on an unknown or malformed spec, k_max < 0 or an unknown drafter."""
+    if drafter not in DRAFTERS:
+        raise ValueError(f"unknown drafter {drafter!r}; valid: {', '.join(DRAFTERS)}")
+    if k_max < 0:
+        raise ValueError(f"k_max must be >= 0, got {k_max}")
+    name, sep, arg = spec.strip().partition(":")
+    builder = _BUILDERS.get(name)
+    if builder is None or (sep and not arg):
+        raise ValueError(f"unknown speculation policy {spec!r}; valid: {SPEC_GRAMMAR}")
+    try:
+        return builder(arg if sep else None, cost, k_max, drafter)
+    except ValueError as err:
+        raise ValueError(f"bad speculation policy {spec!r}: {err}; valid: {SPEC_GRAMMAR}") from err

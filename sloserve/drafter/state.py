@@ -1,0 +1,63 @@
+"""Per-request policy state kept in numpy columns, keyed by request id.
+
+Policies gather a whole batch's state with one fancy index (`values[slots]`) and write it
+back with one scatter, instead of looping over requests in the hot path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class RequestTable:
+    """One float64 value per live request; slots are recycled on `release`."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        self.values = np.zeros(capacity)  # [capacity]
+        self._index: dict[str, int] = {}
+        self._free: list[int] = []
+        self._next = 0
+        self._last: tuple[list[str], np.ndarray] | None = None  # the previous batch's slots
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def slots(self, request_ids: Sequence[str], fill: float) -> np.ndarray:
+        """[B] int64 slots of the requests; unknown ids get a new slot set to `fill`.
+        The returned array must not be modified (it is reused while the batch is unchanged)."""
+        if not isinstance(request_ids, list):  # a tuple or an array of ids
+            request_ids = list(request_ids)
+        last = self._last
+        if last is not None and last[0] == request_ids:  # steady decoding: same batch
+            return last[1]
+        get = self._index.get
+        found = [get(rid, -1) for rid in request_ids]
+        if -1 in found:
+            for i, rid in enumerate(request_ids):
+                if found[i] == -1:
+                    found[i] = self._allocate(rid, fill)
+        slots = np.array(found, dtype=np.int64)
+        self._last = (list(request_ids), slots)
+        return slots
+
+    def release(self, request_id: str) -> None:
+        slot = self._index.pop(request_id, None)
+        if slot is not None:
+            self._free.append(slot)
+            self._last = None
+
+    def _allocate(self, request_id: str, fill: float) -> int:
+        if request_id in self._index:  # a duplicate id within one batch
+            return self._index[request_id]
+        if self._free:
+            slot = self._free.pop()
+        else:
+            slot = self._next
+            self._next += 1
+            if slot >= self.values.size:
+                self.values = np.concatenate([self.values, np.zeros(self.values.size)])
+        self.values[slot] = fill
+        self._index[request_id] = slot
+        return slot

@@ -1,0 +1,120 @@
+"""Step time of a candidate speculative plan (DESIGN.md section 2).
+
+A plan gives every request r of the decode batch a number of draft steps s_r and a number
+k_r <= s_r of draft tokens it sends to verification. One step then costs
+
+    T_draft  = sum_{j=1..max s} T_fwd(draft; sum_{r: s_r >= j} ctx_{r,j},
+                                         B_j + [j == 1] * sum_{r: s_r > 0} lag_r)
+    T_verify = T_fwd(target; sum_r n_r + prefill_context,
+                             sum_r (k_r + 1) + prefill_tokens)
+    T_step   = T_draft + T_verify + overhead
+
+with B_j the requests still drafting at draft step j, n_r the target KV length
+(StepInfo.context_lens) and lag_r the tokens the draft model must catch up on
+(StepInfo.draft_lag). As for the target (context = KV tokens before the forward), a draft
+forward's context is the draft KV length before it: n_r - lag_r at j = 1 (the first forward
+feeds lag_r + 1 tokens), n_r + j - 1 after. Draft steps are contiguous from 1 for every
+request, so the sums have closed forms and no [B, s] matrix is ever built:
+
+    sum_j ctx_j = sum_r s_r n_r + sum_r s_r (s_r - 1) / 2 - sum_{r: s_r > 0} lag_r
+    sum_j B_j   = sum_r s_r,      number of draft forwards = max_r s_r
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sloserve.drafter.policy import StepInfo
+from sloserve.estimator.cost_model import CostModel, ForwardCost
+
+
+def draft_lag(step: StepInfo) -> np.ndarray:
+    """[B] float64 draft catch-up tokens (zeros when the engine did not say)."""
+    if step.draft_lag is None:
+        return np.zeros(step.batch_size)
+    return np.asarray(step.draft_lag, dtype=np.float64)
+
+
+def draft_time(draft: ForwardCost, n: np.ndarray, lag: np.ndarray, steps: np.ndarray) -> float:
+    """Seconds of the draft forwards when request r drafts steps[r] tokens.
+
+    n: [B] target KV lengths; lag: [B] draft catch-up tokens; steps: [B] int.
+    """
+    s = np.asarray(steps, dtype=np.float64)  # [B]
+    if s.size == 0:
+        return 0.0
+    n_fwd = float(s.max())
+    if n_fwd <= 0.0:
+        return 0.0
+    lag_drafting = float(lag[s > 0].sum())
+    ctx = float(s @ n) + float(s @ (s - 1.0)) * 0.5 - lag_drafting
+    q = float(s.sum()) + lag_drafting
+    return draft.a * ctx + draft.b * q + draft.c * n_fwd
+
+
+def verify_time(target: ForwardCost, ctx_total: float, q_total: float) -> float:
+    """Seconds of the one ragged target forward over q_total query tokens."""
+    return target.a * ctx_total + target.b * q_total + target.c
+
+
+class StepTimer:
+    """Per-step cached quantities of the cost model: build once per decode step.
+
+    Every policy that scores plans during a step shares these sums, so each score is a
+    handful of float operations.
+    """
+
+    def __init__(self, cost: CostModel, step: StepInfo) -> None:
+        self.cost = cost
+        self.batch_size = step.batch_size
+        self.n = np.asarray(step.context_lens, dtype=np.float64)  # [B] target KV lengths
+        self.lag = draft_lag(step)  # [B]
+        self.verify_ctx = float(self.n.sum()) + float(step.prefill_context)
+        self.verify_q0 = float(self.batch_size + step.prefill_tokens)  # query tokens at k = 0
+        # T of plain decoding (k = 0 for all, no draft forward)
+        self.plain = verify_time(cost.target, self.verify_ctx, self.verify_q0) + cost.overhead
+        self.token_time = cost.target.b  # verify seconds per extra draft token
+
+    def plan(self, drafted: np.ndarray, verified: np.ndarray) -> float:
+        """T_step of a plan: drafted [B] draft steps, verified [B] tokens verified."""
+        t_draft = draft_time(self.cost.draft, self.n, self.lag, drafted)
+        k_total = float(np.sum(verified))
+        return t_draft + self.plain + self.token_time * k_total
+
+    def draft_token_cost(self, j: int) -> np.ndarray:
+        """[B] seconds request r adds to the step by drafting position j + 1 (j = drafted so
+        far) and verifying it, excluding the draft forward's fixed cost c."""
+        d = self.cost.draft
+        cost = d.a * (self.n + j) + (d.b + self.token_time)
+        if j == 0:  # the first forward reads n - lag KV tokens and feeds lag + 1 tokens
+            cost += (d.b - d.a) * self.lag
+        return cost
+
+    def draft_token_costs(self, k_max: int) -> np.ndarray:
+        """[k_max, B] draft_token_cost(j) for j = 0..k_max-1, in one broadcast."""
+        d = self.cost.draft
+        j = np.arange(k_max, dtype=np.float64)[:, None]  # [k_max, 1]
+        cost = d.a * (self.n + j) + (d.b + self.token_time)  # [k_max, B]
+        if k_max and self.lag.any():
+            cost[0] += (d.b - d.a) * self.lag
+        return cost
+
+    def uniform(self, k_max: int) -> np.ndarray:
+        """[k_max + 1] T_step when every request drafts and verifies k = 0..k_max tokens.
+
+        With S_n = sum_r n_r and S_lag = sum_r lag_r the closed forms above become
+        T(k) = plain + k (a_d S_n + (b_d + b_t) B + c_d) + k (k - 1) a_d B / 2
+        + (b_d - a_d) S_lag for k >= 1.
+        """
+        d = self.cost.draft
+        b = float(self.batch_size)
+        per_k = d.a * float(self.n.sum()) + (d.b + self.token_time) * b + d.c
+        k = np.arange(k_max + 1, dtype=np.float64)  # [K]
+        t = k * per_k + k * (k - 1.0) * (0.5 * d.a * b) + self.plain
+        t[1:] += (d.b - d.a) * float(self.lag.sum())  # the first forward's catch-up tokens
+        return t
+
+
+def step_time(cost: CostModel, step: StepInfo, drafted: np.ndarray, verified: np.ndarray) -> float:
+    """T_step (seconds) of one plan; see the module docstring."""
+    return StepTimer(cost, step).plan(drafted, verified)

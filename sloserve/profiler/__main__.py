@@ -1,0 +1,63 @@
+"""python -m sloserve.profiler: profile draft and target forwards on this device, fit the cost
+model T = a*N_ctx + b*N_q + c per model, print R^2 and MAPE, write the profile file.
+
+    python -m sloserve.profiler --quick            # built-in pair, CPU quick mode (< 2 min)
+    python -m sloserve.profiler --model-path M --draft-model-path D --out-dir configs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from sloserve.profiler.measure import FULL, QUICK, build_profile
+from sloserve.profiler.profile_file import profile_path, write_profile
+
+
+def main(argv=None) -> Path:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", default=None, help="target model directory (default: built-in)")
+    ap.add_argument("--draft-model-path", default=None, help="draft model directory (default: built-in)")
+    ap.add_argument("--drafter", default="model", choices=["model", "ngram"])
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="small grid (default on CPU)")
+    mode.add_argument("--full", action="store_true", help="full grid (batch up to 64, q 1..9)")
+    ap.add_argument("--k-max", type=int, default=8)
+    ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parents[2] / "configs"),
+                    help="profiles are written to OUT_DIR/profiles/ (default: the repo's configs/)")
+    ap.add_argument("--samples-out", default=None, help="also write the raw samples as JSON here")
+    args = ap.parse_args(argv)
+
+    from sloserve.runtime.config import EngineConfig
+    from sloserve.runtime.engine import Engine
+    from sloserve.runtime.scheduler import SchedulerConfig
+
+    eng = Engine(EngineConfig(
+        model_path=args.model_path, draft_model_path=args.draft_model_path, drafter=args.drafter,
+        spec_policy="ar", kv_cache_tokens=131072, k_max=args.k_max,
+        scheduler=SchedulerConfig(max_running_requests=64, max_step_tokens=8192),
+    ))
+    full = args.full or (not args.quick and eng.cfg.device != "cpu")
+    grid = FULL if full else QUICK
+    t0 = time.perf_counter()
+    profile, samples = build_profile(eng, grid, "full" if full else "quick")
+    for name, m in (("target", profile.target), ("draft", profile.draft)):
+        if m.fit is None:
+            print(f"{name}: {m.name} (no forward pass)")
+            continue
+        c = m.cost
+        print(f"{name}: a={c.a * 1e9:.2f} ns/ctx-token  b={c.b * 1e6:.2f} us/query-token  "
+              f"c={c.c * 1e3:.3f} ms   R^2={m.fit.r2:.4f}  MAPE={100 * m.fit.mape:.1f}%  "
+              f"(n={m.fit.n_samples})")
+    print(f"step overhead outside forwards: {profile.overhead * 1e3:.3f} ms")
+    out = write_profile(profile, profile_path(args.out_dir, profile))
+    if args.samples_out:
+        Path(args.samples_out).write_text(json.dumps(samples))
+    print(f"wrote {out}  ({time.perf_counter() - t0:.0f} s)")
+    return out
+
+
+if __name__ == "__main__":
+    main()

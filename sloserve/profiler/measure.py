@@ -1,0 +1,153 @@
+"""Profiling runs: time forwards of the engine's own model runners over a grid, fit the cost
+model per model, and measure the per-step overhead outside the forwards.
+
+Samples are (N_ctx, N_q, seconds) with N_ctx = KV tokens attended over the batch (context +
+query of every request) and N_q = query tokens in the pass, as in DESIGN.md section 2.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sloserve.estimator.cost_model import ForwardCost
+from sloserve.profiler.fit import fit_forward_cost
+from sloserve.profiler.profile_file import ModelProfile, Profile
+from sloserve.runtime.batch import Segment
+from sloserve.runtime.kv_cache import BlockAllocator
+from sloserve.runtime.model_runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class Grid:
+    batch_sizes: tuple[int, ...]
+    context_lens: tuple[int, ...]
+    query_lens: tuple[int, ...]
+    reps: int
+
+    def as_dict(self) -> dict:
+        return {"batch_sizes": list(self.batch_sizes), "context_lens": list(self.context_lens),
+                "query_lens": list(self.query_lens), "reps": [self.reps]}
+
+
+QUICK = Grid((1, 4, 16, 32), (64, 512), (1, 2, 5, 9), reps=5)
+FULL = Grid((1, 2, 4, 8, 16, 32, 64), (32, 256, 1024), tuple(range(1, 10)), reps=7)
+
+
+def device_key(device: str) -> str:
+    """'cpu-<cpu model>-<threads>t' or 'cuda-<gpu name>': profiles only transfer within one."""
+    if device.startswith("cuda"):
+        return f"cuda-{torch.cuda.get_device_name(0)}"
+    model = "cpu"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"cpu-{model}-{torch.get_num_threads()}t"
+
+
+def fingerprint(model_dir: str) -> str:
+    """Hash of config.json and the safetensors headers (shapes, names): the architecture the
+    cost depends on, not the weight values, so a rebuilt identical pair keeps its profile."""
+    h = hashlib.sha256()
+    d = Path(model_dir)
+    h.update((d / "config.json").read_bytes())
+    for f in sorted(d.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        header.pop("__metadata__", None)
+        h.update(json.dumps(header, sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+
+def time_forward(runner: ModelRunner, alloc: BlockAllocator, batch: int, ctx: int, q: int, reps: int) -> float:
+    """Median seconds of one forward: `batch` requests, each `q` query tokens after `ctx`
+    cached tokens. Uses blocks borrowed from the allocator, returned afterwards."""
+    need = alloc.blocks_for(ctx + q)
+    blocks = [alloc.allocate(need) for _ in range(batch)]
+    try:
+        segs = [Segment(b, ctx, [7] * q) for b in blocks]
+        runner.forward(segs)  # warm-up
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            runner.forward(segs)
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+    finally:
+        for b in blocks:
+            alloc.free(b)
+
+
+def profile_model(runner: ModelRunner, alloc: BlockAllocator, grid: Grid, log=print):
+    samples = []
+    for b in grid.batch_sizes:
+        for c in grid.context_lens:
+            if alloc.blocks_for(c + max(grid.query_lens)) * b > alloc.num_free:
+                continue
+            for q in grid.query_lens:
+                s = time_forward(runner, alloc, b, c, q, grid.reps)
+                samples.append((b * (c + q), b * q, s))
+        log(f"  {runner.cfg.name}: batch {b} done ({len(samples)} samples)")
+    return fit_forward_cost(samples), samples
+
+
+def measure_overhead(engine, cost_target: ForwardCost, batches=(1, 8), steps: int = 12) -> float:
+    """Median (engine step time - predicted target forward) over plain decode steps."""
+    from sloserve.runtime.request import SamplingParams
+
+    resid = []
+    for b in batches:
+        for i in range(b):
+            engine.add_request([11 + i] * 64, SamplingParams(max_new_tokens=steps + 2, temperature=0.0, ignore_eos=True))
+        engine.step()  # prefill
+        while engine.has_work:
+            live = list(engine.scheduler.running)
+            n_ctx = sum(r.num_tokens for r in live)
+            t = time.perf_counter()
+            engine.step()
+            resid.append(time.perf_counter() - t - cost_target.time(n_ctx, len(live)))
+    return max(0.0, statistics.median(resid))
+
+
+def build_profile(engine, grid: Grid, mode: str, log=print) -> tuple[Profile, dict]:
+    """Profile the engine's target (and draft) runners; returns the profile and raw samples."""
+    parts = engine.parts
+    alloc = parts.allocator
+    if alloc.num_used:
+        raise RuntimeError("profile an idle engine")
+    log(f"profiling target {parts.target_path} on {device_key(engine.cfg.device)}")
+    t_fit, t_samples = profile_model(parts.target, alloc, grid, log)
+    if parts.draft is not None:
+        d_fit, d_samples = profile_model(parts.draft, alloc, grid, log)
+        draft = ModelProfile(parts.draft_path, fingerprint(parts.draft_path), d_fit.cost, d_fit.stats)
+    else:
+        d_samples = []
+        draft = ModelProfile("ngram", "", ForwardCost.free(), None)
+    overhead = measure_overhead(engine, t_fit.cost)
+    profile = Profile(
+        target=ModelProfile(parts.target_path, fingerprint(parts.target_path), t_fit.cost, t_fit.stats),
+        draft=draft, device=device_key(engine.cfg.device), dtype=engine.cfg.dtype,
+        overhead=overhead, grid=grid.as_dict(), mode=mode,
+    )
+    return profile, {"target": t_samples, "draft": d_samples}
+
+
+def default_dirs() -> list[Path]:
+    """Where profiles are looked up: the repository's configs/, then the user cache."""
+    repo = Path(__file__).resolve().parents[2] / "configs"
+    cache = Path(os.environ.get("SLOSERVE_CACHE", Path.home() / ".cache" / "sloserve"))
+    return [repo, cache]

@@ -1,0 +1,142 @@
+"""Asynchronous streaming interface over the engine, for the HTTP server.
+
+One background thread owns the engine and runs its step loop; nothing else touches it.
+Callers submit commands through a queue and receive each request's outputs on an asyncio
+queue. Invalid requests raise in the caller (before any streaming); a consumer that stops
+early (client disconnect) aborts its request, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from sloserve.runtime.engine import Engine, RequestOutput
+from sloserve.runtime.request import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Add:
+    prompt: str | Sequence[int]
+    params: SamplingParams
+    rid: str | None
+    sink: Callable[[RequestOutput | BaseException], None]
+    done: Future
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._cmds: queue.Queue = queue.Queue()
+        self._sinks: dict[str, Callable] = {}
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="sloserve-engine", daemon=True)
+        self._thread.start()
+
+    # ----- public API (any thread / the event loop)
+    async def generate(
+        self, prompt: str | Sequence[int], params: SamplingParams, rid: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit a request; yields its outputs step by step until it finishes.
+        Raises InvalidRequest before the first yield when the request is bad."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        done: Future = Future()
+        self._submit(_Add(prompt, params, rid, lambda o: loop.call_soon_threadsafe(q.put_nowait, o), done))
+        rid = await asyncio.wrap_future(done)
+        finished = False
+        try:
+            while True:
+                out = await q.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, rid: str) -> None:
+        self._submit(("abort", rid))
+
+    def call(self, fn: Callable[[Engine], object]) -> Future:
+        """Run fn(engine) on the engine thread (between steps); returns a Future."""
+        fut: Future = Future()
+        self._submit(("call", fn, fut))
+        return fut
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._cmds.put(("wake",))
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    # ----- engine thread
+    def _submit(self, cmd) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"engine stopped after an error: {self._error}")
+        self._cmds.put(cmd)
+
+    def _handle(self, cmd) -> None:
+        eng = self.engine
+        if isinstance(cmd, _Add):
+            try:
+                req = eng.add_request(cmd.prompt, cmd.params, cmd.rid)
+            except Exception as e:  # InvalidRequest and friends go back to the caller
+                cmd.done.set_exception(e)
+                return
+            self._sinks[req.rid] = cmd.sink
+            cmd.done.set_result(req.rid)
+        elif cmd[0] == "abort":
+            eng.abort(cmd[1])
+            self._dispatch(eng.take_aborted())
+        elif cmd[0] == "call":
+            try:
+                cmd[2].set_result(cmd[1](eng))
+            except Exception as e:
+                cmd[2].set_exception(e)
+
+    def _dispatch(self, outs: list[RequestOutput]) -> None:
+        for o in outs:
+            sink = self._sinks.pop(o.rid, None) if o.finished else self._sinks.get(o.rid)
+            if sink is not None:
+                sink(o)
+
+    def _loop(self) -> None:
+        eng = self.engine
+        while not self._stop.is_set():
+            try:
+                block = not eng.has_work
+                while True:
+                    try:
+                        cmd = self._cmds.get(block=block, timeout=0.5 if block else None)
+                    except queue.Empty:
+                        break
+                    block = False
+                    self._handle(cmd)
+                if eng.has_work:
+                    self._dispatch(eng.step())
+            except BaseException as e:  # a bug in a step: fail every request loudly
+                log.exception("engine step failed")
+                self._error = e
+                for sink in self._sinks.values():
+                    sink(EngineDeadError(f"engine failed: {e}"))
+                self._sinks.clear()
+                return

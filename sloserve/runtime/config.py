@@ -1,0 +1,56 @@
+"""Engine configuration: one frozen tree, built once (from the CLI or code), never mutated.
+
+"auto" values are resolved by `resolve()`, a pure function returning a new config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from sloserve.runtime.scheduler import SchedulerConfig
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str | None = None  # None = the built-in target
+    draft_model_path: str | None = None  # None = the built-in draft (with drafter "model")
+    drafter: str = "model"  # model | ngram | none
+    spec_policy: str = "specserve"  # see sloserve.drafter.registry
+    k_max: int = 8  # most draft tokens per request per step
+    tpot_slo: float | None = None  # seconds; default TPOT SLO of requests without their own
+    ttft_slo: float | None = None
+    kv_cache_tokens: int = 65536  # KV capacity shared by all requests, in tokens
+    block_size: int = 16
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    attention_backend: str = "auto"  # auto | torch | flashinfer
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    profile_path: str | None = None  # cost profile; None = look up configs/profiles, else default
+    seed: int = 0
+    num_threads: int | None = None  # torch CPU threads (None = torch default)
+
+    @property
+    def num_blocks(self) -> int:
+        return max(1, self.kv_cache_tokens // self.block_size)
+
+    @property
+    def speculative(self) -> bool:
+        return self.drafter != "none" and self.spec_policy != "ar"
+
+
+def resolve(cfg: EngineConfig) -> EngineConfig:
+    """Resolve "auto" values (device, dtype, draft pairing) into a new config."""
+    import torch
+
+    device = cfg.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = cfg.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    if cfg.drafter not in ("model", "ngram", "none"):
+        raise ValueError(f"drafter must be one of model, ngram, none; got {cfg.drafter!r}")
+    if cfg.k_max < 0 or cfg.k_max > 32:
+        raise ValueError(f"k_max must be in [0, 32], got {cfg.k_max}")
+    return dataclasses.replace(cfg, device=device, dtype=dtype)

@@ -1,0 +1,178 @@
+"""The engine: one step = schedule, draft (if the policy wants), one ragged target forward over
+prefill chunks and decode/verify segments, accept, commit, free.
+
+Policy lives elsewhere: the scheduler picks requests, the speculation policy picks draft and
+verify lengths; the engine executes and keeps the books.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sloserve.runtime.config import EngineConfig, resolve
+from sloserve.runtime.engine_setup import EngineParts, build_parts
+from sloserve.runtime.request import (
+    FinishReason,
+    InvalidRequest,
+    Request,
+    SamplingParams,
+    Status,
+    validate_prompt,
+)
+from sloserve.runtime.stats import EngineStats
+from sloserve.runtime.step import StepRunner
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (deltas), and its totals."""
+
+    rid: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    matched_stop: str | int | None
+    prompt_tokens: int
+    completion_tokens: int
+    spec_verify_ct: int
+    spec_accepted: int
+    spec_proposed: int
+
+
+class Engine:
+    """In-process LLM engine with continuous batching and speculative decoding."""
+
+    def __init__(self, cfg: EngineConfig | None = None, parts: EngineParts | None = None):
+        self.cfg = resolve(cfg or EngineConfig())
+        if self.cfg.num_threads:
+            torch.set_num_threads(self.cfg.num_threads)
+        self.parts = parts or build_parts(self.cfg)
+        self.tokenizer = self.parts.tokenizer
+        self.stats = EngineStats(k_max=self.cfg.k_max)
+        self.runner = StepRunner(self.cfg, self.parts, self.stats)
+        self.scheduler = self.runner.scheduler
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+
+    # ----- requests
+    @property
+    def max_context(self) -> int:
+        return self.parts.target.cfg.max_position_embeddings
+
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        rid: str | None = None,
+    ) -> Request:
+        """Validate and queue a request. Raises InvalidRequest naming the bad field."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise InvalidRequest("prompt", "is empty")
+            ids = self.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        validate_prompt(ids, self.parts.target.cfg.vocab_size, self.max_context)
+        needed = len(ids) + 1 + self.cfg.k_max
+        if self.scheduler.alloc.blocks_for(needed) > self.scheduler.alloc.num_blocks:
+            raise InvalidRequest(
+                "prompt", f"{len(ids)} tokens do not fit the KV cache ({self.cfg.kv_cache_tokens} tokens)"
+            )
+        rid = rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        if rid in self.requests:
+            raise InvalidRequest("rid", f"request id {rid!r} is already in use")
+        req = Request(rid=rid, prompt_ids=ids, params=params, arrival=time.perf_counter())
+        self.requests[rid] = req
+        self.runner.add(req)
+        return req
+
+    def abort(self, rid: str) -> bool:
+        """Stop a request now and free its KV blocks. False if it is unknown or finished."""
+        req = self.requests.get(rid)
+        if req is None or req.finished:
+            return False
+        self.runner.finish(req, FinishReason.ABORT)
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ----- stepping
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return outputs for every request that advanced or finished."""
+        touched = self.runner.step()
+        outs = []
+        for req, new_ids, new_text in touched:
+            outs.append(self._output(req, new_ids, new_text))
+            if req.finished:
+                self.requests.pop(req.rid, None)
+        return outs
+
+    def take_aborted(self) -> list[RequestOutput]:
+        """Outputs for requests finished outside step() (aborts), once each."""
+        outs = [self._output(r, [], "") for r in self.runner.take_finished_outside_step()]
+        for o in outs:
+            self.requests.pop(o.rid, None)
+        return outs
+
+    def _output(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
+        return RequestOutput(
+            rid=req.rid,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            finished=req.finished,
+            finish_reason=req.finish_reason.value if req.finish_reason else None,
+            matched_stop=req.matched_stop,
+            prompt_tokens=len(req.prompt_ids),
+            completion_tokens=len(req.output_ids),
+            spec_verify_ct=req.spec.verify_steps,
+            spec_accepted=req.spec.accepted,
+            spec_proposed=req.spec.proposed,
+        )
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[dict]:
+        """Run prompts to completion. Returns one dict per prompt (in order) with text,
+        output_ids and meta. Invalid prompts raise before anything is queued."""
+        if isinstance(params, SamplingParams) or params is None:
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("params must be one SamplingParams or one per prompt")
+        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while any(r.status is not Status.FINISHED for r in reqs):
+            self.step()
+        return [self.result(r) for r in reqs]
+
+    @staticmethod
+    def result(req: Request) -> dict:
+        return {
+            "rid": req.rid,
+            "text": req.output_text,
+            "output_ids": list(req.output_ids),
+            "finish_reason": req.finish_reason.value if req.finish_reason else None,
+            "prompt_tokens": len(req.prompt_ids),
+            "completion_tokens": len(req.output_ids),
+            "num_preemptions": req.num_preemptions,
+            "spec": vars(req.spec).copy(),
+        }
+
+    def check_idle_integrity(self) -> None:
+        """Raise unless the KV pool is consistent with the live requests (all free if idle)."""
+        alloc = self.scheduler.alloc
+        live = list(self.scheduler.running) + list(self.scheduler.waiting)
+        alloc.check_integrity([r.blocks for r in live])

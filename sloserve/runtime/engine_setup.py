@@ -1,0 +1,120 @@
+"""Build the engine's parts from a resolved config: tokenizer, models, KV pool, runners, policy."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import sloserve.runtime.attention.torch_backend  # noqa: F401  (registers "torch")
+from sloserve.drafter.policy import SpecPolicy
+from sloserve.estimator.cost_model import CostModel, ForwardCost
+from sloserve.runtime.attention.base import make_backend
+from sloserve.runtime.config import EngineConfig
+from sloserve.runtime.kv_cache import BlockAllocator, KVStorage
+from sloserve.runtime.model_runner import ModelRunner
+from sloserve.runtime.models.builtin import ensure_builtin_pair
+from sloserve.runtime.models.config import ModelLoadError
+from sloserve.runtime.models.loader import load_model
+
+log = logging.getLogger(__name__)
+
+try:  # registers "flashinfer" when the package and a GPU are present
+    import sloserve.runtime.attention.flashinfer_backend  # noqa: F401
+except ImportError:
+    pass
+
+
+@dataclass
+class EngineParts:
+    tokenizer: object
+    target: ModelRunner
+    draft: ModelRunner | None  # None with the n-gram drafter or without speculation
+    allocator: BlockAllocator
+    policy: SpecPolicy
+    cost: CostModel
+    target_path: str
+    draft_path: str | None
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # transformers raises many kinds here
+        raise ModelLoadError(f"cannot load a tokenizer from {path!r}: {e}") from None
+
+
+def rough_cost(target_cfg, draft_cfg) -> CostModel:
+    """A stand-in cost model from parameter counts, used until a profile exists (CPU-ish)."""
+
+    def fc(cfg) -> ForwardCost:
+        params = cfg.num_layers * (
+            cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+            + cfg.num_heads * cfg.head_dim * cfg.hidden_size
+            + 3 * cfg.hidden_size * cfg.intermediate_size
+        ) + 2 * cfg.vocab_size * cfg.hidden_size
+        return ForwardCost(a=2e-9 * cfg.num_layers, b=2 * params / 100e9, c=4 * params / 40e9 + 1e-4 * cfg.num_layers)
+
+    return CostModel(fc(target_cfg), fc(draft_cfg) if draft_cfg else ForwardCost.free(), 5e-4)
+
+
+def _load_cost(cfg: EngineConfig, target: ModelRunner, draft: ModelRunner | None,
+               target_path: str, draft_path: str | None) -> CostModel:
+    from sloserve.profiler.loading import load_cost_model
+
+    cost = load_cost_model(cfg, target_path, draft_path)
+    if cost is None:
+        log.warning("no cost profile found for this model pair/device; using a rough estimate "
+                    "(run `python -m sloserve.profiler` for an accurate one)")
+        cost = rough_cost(target.cfg, draft.cfg if draft else None)
+    if draft is None:
+        cost = CostModel(cost.target, ForwardCost.free(), cost.overhead)
+    return cost
+
+
+def build_parts(cfg: EngineConfig) -> EngineParts:
+    target_path, draft_path = cfg.model_path, cfg.draft_model_path
+    if target_path is None:
+        bt, bd = ensure_builtin_pair()
+        target_path = str(bt)
+        if draft_path is None and cfg.drafter == "model":
+            draft_path = str(bd)
+    if cfg.drafter == "model" and draft_path is None:
+        raise ModelLoadError("--drafter model needs --draft-model-path (or use --drafter ngram)")
+    if cfg.drafter != "model":
+        draft_path = None
+    dtype, device = _dtype(cfg.dtype), cfg.device
+    tokenizer = load_tokenizer(target_path)
+    target_model = load_model(target_path, dtype, device)
+    draft_model = load_model(draft_path, dtype, device) if draft_path else None
+    if draft_model is not None and draft_model.cfg.vocab_size != target_model.cfg.vocab_size:
+        raise ModelLoadError(
+            f"draft vocab {draft_model.cfg.vocab_size} != target vocab {target_model.cfg.vocab_size}"
+        )
+    alloc = BlockAllocator(cfg.num_blocks, cfg.block_size)
+    t_kv = KVStorage(target_model.cfg, cfg.num_blocks, cfg.block_size, dtype, device)
+    target = ModelRunner(target_model, t_kv, make_backend(cfg.attention_backend), cfg.block_size)
+    draft = None
+    if draft_model is not None:
+        d_kv = KVStorage(draft_model.cfg, cfg.num_blocks, cfg.block_size, dtype, device)
+        draft = ModelRunner(draft_model, d_kv, make_backend(cfg.attention_backend), cfg.block_size)
+    cost = _load_cost(cfg, target, draft, target_path, draft_path)
+    from sloserve.drafter.registry import make_policy
+
+    policy = make_policy(
+        cfg.spec_policy if cfg.drafter != "none" else "ar", cost, k_max=cfg.k_max,
+        drafter="ngram" if cfg.drafter == "ngram" else "model",
+    )
+    return EngineParts(tokenizer, target, draft, alloc, policy, cost, target_path, draft_path)
+
+
+def model_name(path: str) -> str:
+    return Path(path).name

@@ -1,0 +1,108 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over ragged batches and a paged KV cache.
+
+Differences from transformers' module are for speed, not semantics: q/k/v and gate/up are fused
+into one matmul each, and every layer reads the attention metadata carried on the batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sloserve.runtime.attention.base import AttentionBackend
+from sloserve.runtime.batch import ForwardBatch
+from sloserve.runtime.kv_cache import KVStorage
+from sloserve.runtime.models.config import ModelConfig, RopeConfig
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if rope.kind == "linear":
+        inv = inv / rope.factor
+    elif rope.kind == "llama3":
+        low_wl = rope.original_max_position / rope.low_freq_factor
+        high_wl = rope.original_max_position / rope.high_freq_factor
+        wl = 2 * math.pi / inv
+        smooth = (rope.original_max_position / wl - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        scaled = torch.where(wl > low_wl, inv / rope.factor, inv)
+        mid = (wl <= low_wl) & (wl >= high_wl)
+        blended = (1 - smooth) * inv / rope.factor + smooth * inv
+        inv = torch.where(mid, blended, scaled)
+    return inv.float()
+
+
+class Rotary(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        inv = rope_inv_freq(cfg.rope, cfg.head_dim)
+        t = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(t, inv)  # [max_pos, D/2]
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [T, heads, D]; rotate-half convention (first half pairs with second half)
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, idx: int):
+        super().__init__()
+        self.idx = idx
+        self.n_q = cfg.num_heads * cfg.head_dim
+        self.n_kv = cfg.num_kv_heads * cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        self.input_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.post_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.qkv = nn.Linear(cfg.hidden_size, self.n_q + 2 * self.n_kv, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.n_q, cfg.hidden_size, bias=False)
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, h, batch: ForwardBatch, rotary: Rotary, kv: KVStorage, attn, scale):
+        # h: [T, hidden]
+        x = F.rms_norm(h, (h.shape[-1],), self.input_norm, self.eps)
+        qkv = self.qkv(x)
+        T = qkv.shape[0]
+        q = qkv[:, : self.n_q].view(T, self.heads, self.head_dim)
+        k = qkv[:, self.n_q : self.n_q + self.n_kv].view(T, self.kv_heads, self.head_dim)
+        v = qkv[:, self.n_q + self.n_kv :].view(T, self.kv_heads, self.head_dim)
+        q, k = rotary(q, batch.positions), rotary(k, batch.positions)
+        kv.write(self.idx, batch.slot_mapping, k, v)
+        o = attn.forward(q, kv.k[self.idx], kv.v[self.idx], batch.attn, scale)
+        h = h + self.o_proj(o.reshape(T, self.n_q))
+        x = F.rms_norm(h, (h.shape[-1],), self.post_norm, self.eps)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return h + self.down(F.silu(gate) * up)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.rotary = Rotary(cfg)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, batch: ForwardBatch, kv: KVStorage, attn: AttentionBackend) -> torch.Tensor:
+        """Runs the batch, writes its K/V, returns logits [L, vocab] for batch.logits_indices."""
+        h = self.embed(batch.input_ids)
+        for layer in self.layers:
+            h = layer(h, batch, self.rotary, kv, attn, self.scale)
+        h = h.index_select(0, batch.logits_indices)
+        h = F.rms_norm(h, (h.shape[-1],), self.norm, self.cfg.rms_norm_eps)
+        return self.lm_head(h).float()

@@ -1,0 +1,57 @@
+"""Token sampling: greedy, temperature, top-k, top-p, with per-request seeded generators.
+
+`processed_probs` is the distribution a request samples from; speculative sampling applies
+the same processing to target and draft logits, so acceptance keeps the target's distribution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from sloserve.runtime.request import SamplingParams
+
+
+def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """logits: [N, V] float32, one row per entry of params (all with temperature > 0).
+    Returns probs [N, V]: softmax(logits / T), then top-k, then top-p, renormalised."""
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+    probs = torch.softmax(logits / temps[:, None], dim=-1)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else 0 for p in params])
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
+    if not ((top_k > 0).any() or (top_p < 1).any()):
+        return probs
+    sorted_p, idx = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[-1])
+    sorted_p = torch.where((top_k[:, None] > 0) & (rank[None, :] >= top_k[:, None]), 0.0, sorted_p)
+    sorted_p = sorted_p / sorted_p.sum(-1, keepdim=True)
+    before = sorted_p.cumsum(-1) - sorted_p  # mass of the strictly more likely tokens
+    sorted_p = torch.where(before >= top_p[:, None], 0.0, sorted_p)  # keeps the top token always
+    out = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+    return out / out.sum(-1, keepdim=True)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from probs [V] using the request's generator (or the global one)."""
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def uniform(generator: torch.Generator | None) -> float:
+    return float(torch.rand((), generator=generator).item())
+
+
+def sample_rows(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence
+) -> tuple[list[int], torch.Tensor | None]:
+    """Sample one token per row of logits [N, V]. Greedy rows take the argmax.
+    Returns (tokens, probs) with probs [N, V] for rows that sampled (None if all greedy)."""
+    tokens = logits.argmax(dim=-1).tolist()
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return tokens, None
+    probs = torch.zeros_like(logits)
+    probs[rows] = processed_probs(logits[rows], [params[i] for i in rows])
+    for i in rows:
+        tokens[i] = draw(probs[i], generators[i])
+    return tokens, probs

@@ -1,0 +1,95 @@
+"""Confidence-prior verifier: draft token elimination (SpecServe Alg. 2).
+
+After drafting, draft tokens are removed in ascending order of their chain probability
+P_{r,j} while removing one raises E = sum_r l_r(k_r) / T_step, and regardless while the
+plan breaks the SLO. Since P is non-increasing along a row, the lowest-P token of a row is
+always its tail, so every request keeps a prefix of its draft (k_r <= drafted_r).
+
+Cost: the draft forwards already ran, so removing a token only shortens the ragged verify
+forward by one query token: T drops by exactly `token_time` (cost.target.b) and the expected
+tokens by P_{r,j}. Removing it raises E iff P_{r,j} < token_time * E. One sort of all
+candidate tokens plus prefix sums scores every removal count at once; the greedy stops at
+the first removal that does not help, which is also the best prefix (E rises while tokens
+below the threshold go, and the threshold falls once E does).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sloserve.estimator.step_time import StepTimer
+
+
+def eliminate(
+    P: np.ndarray,
+    drafted: np.ndarray,
+    *,
+    tokens: float,
+    step_time: float,
+    token_time: float,
+    slo: float,
+) -> np.ndarray:
+    """[B] int64 k_r: draft tokens each request keeps for verification.
+
+    P: [B, s] chain probabilities of draft positions 1..s (non-increasing per row; entries
+    past drafted[r] are ignored). drafted: [B] int. tokens: sum_r l_r(drafted_r), the expected
+    tokens if everything is verified; step_time: T_step of that plan; token_time: seconds
+    one verified draft token adds; slo: the binding TPOT SLO (inf for none).
+    """
+    drafted = np.asarray(drafted, dtype=np.int64)
+    if P.shape[1] == 0 or not drafted.any():
+        return drafted.copy()
+    padded = np.where(np.arange(P.shape[1]) < drafted[:, None], P, np.inf)  # [B, s]
+    return eliminate_padded(
+        padded, drafted, tokens=tokens, step_time=step_time, token_time=token_time, slo=slo
+    )
+
+
+def eliminate_padded(
+    P: np.ndarray,
+    drafted: np.ndarray,
+    *,
+    tokens: float,
+    step_time: float,
+    token_time: float,
+    slo: float,
+) -> np.ndarray:
+    """`eliminate` for a P that is +inf exactly past each row's drafted tokens (the adaptive
+    drafter keeps it that way), which saves building the candidate list."""
+    B, s = P.shape
+    n = int(drafted.sum())  # candidates: the finite entries
+    f_order = P.flags.f_contiguous and not P.flags.c_contiguous  # e.g. a transposed view
+    flat = P.ravel(order="F" if f_order else "C")  # a view when P is contiguous either way
+    order = flat.argsort()[:n]  # flat indices, ascending P; a row loses its tail
+    p_sorted = flat.take(order)  # [n]
+    # state before removing candidate i: tokens_prev[i], time_prev[i]
+    tokens_prev = (tokens + p_sorted) - p_sorted.cumsum()  # [n]
+    time_prev = step_time - token_time * np.arange(n)  # [n]
+    remove = p_sorted * time_prev < token_time * tokens_prev  # P < token_time * E_prev
+    if slo < float("inf"):
+        remove |= time_prev > slo  # the SLO rule: remove regardless
+    n_remove = int(remove.argmin()) if n else 0
+    if n and remove[n_remove]:  # every candidate goes
+        n_remove = n
+    if n_remove == 0:
+        return drafted.copy()
+    rows = order[:n_remove] % B if f_order else order[:n_remove] // s  # row of each removal
+    return drafted - np.bincount(rows, minlength=B)
+
+
+def eliminate_plan(timer: StepTimer, P: np.ndarray, drafted: np.ndarray, slo: float) -> np.ndarray:
+    """`eliminate` for a plan whose token sum and step time are not tracked yet."""
+    drafted = np.asarray(drafted, dtype=np.int64)
+    if P.shape[1] == 0 or not drafted.any():
+        return drafted.copy()
+    valid = np.arange(P.shape[1]) < drafted[:, None]  # [B, s]
+    tokens = float(timer.batch_size) + float(P[valid].sum())
+    t = timer.plan(drafted, drafted)
+    return eliminate_padded(
+        np.where(valid, P, np.inf),
+        drafted,
+        tokens=tokens,
+        step_time=t,
+        token_time=timer.token_time,
+        slo=slo,
+    )

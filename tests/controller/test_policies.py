@@ -1,0 +1,274 @@
+"""Every policy on random step streams, and each baseline's source rule."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sloserve.bench.synthetic import SyntheticWorkload, cpu_cost_model, drive_step, make_step
+from sloserve.drafter.goodput import GoodputPolicy
+from sloserve.drafter.hf import HFHeuristicPolicy, HFThresholdPolicy
+from sloserve.drafter.lut import LookupTablePolicy, default_table
+from sloserve.drafter.policy import StepInfo, VerifyOutcome
+from sloserve.drafter.registry import POLICY_NAMES, make_policy
+from sloserve.drafter.sglang_adaptive import EmaStepTracker, SGLangAdaptivePolicy
+from sloserve.drafter.specserve import SpecServePolicy
+from sloserve.estimator.acceptance import chain_probs
+from sloserve.estimator.cost_model import CostModel, ForwardCost
+from sloserve.estimator.efficiency import binding_slo
+from sloserve.estimator.step_time import StepTimer
+
+COST = cpu_cost_model()
+NGRAM_COST = CostModel(COST.target, ForwardCost.free(), COST.overhead)
+
+
+class CheckingPolicy:
+    """Wraps a policy and asserts the contract on every call."""
+
+    def __init__(self, policy):
+        self.p = policy
+
+    def start(self, step):
+        d = np.asarray(self.p.start(step))
+        assert d.shape == (step.batch_size,) and d.dtype == bool
+        if not self.p.speculates:
+            assert not d.any()
+        return d
+
+    def extend(self, step, conf, drafting):
+        d = np.asarray(self.p.extend(step, conf, drafting))
+        assert d.shape == drafting.shape and d.dtype == bool
+        assert not np.any(d & ~drafting), "extend must return a subset of drafting"
+        return d
+
+    def verify_lengths(self, step, conf, drafted):
+        k = np.asarray(self.p.verify_lengths(step, conf, drafted))
+        assert k.shape == drafted.shape and np.issubdtype(k.dtype, np.integer)
+        assert np.all((0 <= k) & (k <= drafted))
+        return k
+
+    def observe(self, step, outcome):
+        self.p.observe(step, outcome)
+
+
+def random_stream(rng, steps: int):
+    """Steps with churning requests, random contexts, lags, SLOs, prefill and k_max."""
+    live: list[str] = []
+    next_id = 0
+    for _ in range(steps):
+        live = [r for r in live if rng.random() > 0.1]
+        while len(live) < rng.integers(0, 40):
+            live.append(f"q{next_id}")
+            next_id += 1
+        B = len(live)
+        slo = np.where(rng.random(B) < 0.3, rng.uniform(0.03, 0.5, B), np.inf)
+        yield StepInfo(
+            request_ids=list(live),
+            context_lens=rng.integers(1, 6000, B),
+            tpot_slo=slo,
+            k_max=int(rng.integers(0, 9)),
+            prefill_tokens=int(rng.integers(0, 200)),
+            prefill_context=int(rng.integers(0, 400)),
+            draft_lag=rng.integers(0, 3, B) if rng.random() < 0.8 else None,
+        )
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+@pytest.mark.parametrize("spec", POLICY_NAMES)
+def test_every_policy_keeps_the_contract_on_random_streams(spec, drafter):
+    rng = np.random.default_rng(abs(hash((spec, drafter))) % 2**32)
+    cost = NGRAM_COST if drafter == "ngram" else COST
+    policy = make_policy(spec, cost, k_max=8, drafter=drafter)
+    checked = CheckingPolicy(policy)
+    work = SyntheticWorkload(rng)
+    seen: set[str] = set()
+    for step in random_stream(rng, 60):
+        mean = rng.uniform(0.05, 0.98, step.batch_size)
+        drive_step(checked, step, work, mean)
+        for rid in seen - set(step.request_ids):
+            policy.release(rid)
+        seen = set(step.request_ids)
+
+
+def outcome(drafted, verified, accepted, s=None) -> VerifyOutcome:
+    drafted = np.asarray(drafted)
+    s = int(drafted.max()) if s is None else s
+    conf = np.where(np.arange(s)[None, :] < drafted[:, None], 0.5, np.nan)
+    return VerifyOutcome(drafted, np.asarray(verified), np.asarray(accepted), conf, 0.0, 0.0)
+
+
+def test_hf_heuristic_rule():
+    policy = HFHeuristicPolicy(k_max=8)
+    step = make_step(3)
+    np.testing.assert_array_equal(policy.target_lengths(step), [5, 5, 5])
+    policy.start(step)
+    # all accepted -> +2 (capped at k_max), one rejected -> -1, nothing verified -> unchanged
+    policy.observe(step, outcome([5, 5, 0], [5, 5, 0], [5, 2, 0], s=5))
+    np.testing.assert_array_equal(policy.target_lengths(step), [7, 4, 5])
+    for _ in range(6):
+        policy.observe(step, outcome([5, 5, 5], [5, 5, 5], [0, 0, 0]))
+    np.testing.assert_array_equal(policy.target_lengths(step), [1, 1, 1])  # floor at 1
+    policy.release("r0")
+    np.testing.assert_array_equal(policy.target_lengths(step), [5, 1, 1])  # fresh state
+
+
+def test_hf_threshold_stops_after_a_low_confidence_token():
+    policy = HFThresholdPolicy(k_max=8)
+    step = make_step(3)
+    drafting = policy.start(step)
+    assert drafting.all()
+    conf = np.array([[0.9], [0.39], [0.4]])
+    np.testing.assert_array_equal(policy.extend(step, conf, drafting), [True, False, True])
+    full = np.array([[0.9] * 8, [0.9] * 8, [0.9] * 8])
+    assert not policy.extend(step, full, drafting).any()  # k_max reached
+
+
+def test_lut_lookup_semantics():
+    policy = LookupTablePolicy({4: 4, 8: 2, 32: 1}, k_max=8)  # TensorRT-LLM's example
+    got = {b: policy.k_for(b) for b in (1, 4, 5, 8, 9, 32, 33)}
+    assert got == {1: 4, 4: 4, 5: 2, 8: 2, 9: 1, 32: 1, 33: 0}
+
+
+def test_default_lut_is_non_increasing_and_speculates_at_batch_one():
+    table = default_table(COST, 8)
+    ks = list(table.values())
+    assert ks[0] >= 2 and all(a >= b for a, b in zip(ks, ks[1:])) and ks[-1] < ks[0]
+
+
+def test_sglang_tracker_hysteresis():
+    t = EmaStepTracker((1, 3, 7))
+    assert t.steps == 3
+    for _ in range(10):
+        t.update(6.0)  # warm-up: EMA moves, steps do not
+    assert t.steps == 3
+    for _ in range(5):
+        t.update(6.0)
+    assert t.steps == 7
+    for _ in range(5):
+        t.update(2.9)  # EMA still above 3 - 0.5: no drop yet
+    assert t.steps == 7 and t.ema > 2.5
+    for _ in range(30):
+        t.update(0.0)
+    assert t.steps == 1
+
+
+def test_sglang_buckets_by_batch_size():
+    policy = SGLangAdaptivePolicy(k_max=4)
+    assert policy.tracker(1) is policy.tracker(63)
+    assert policy.tracker(64) is not policy.tracker(63)
+    assert policy.tracker(1).candidates == [1, 3, 4]  # 7 clipped to k_max
+
+
+def test_goodput_ngram_mode_proposes_max_and_picks_verify_length():
+    policy = GoodputPolicy(NGRAM_COST, 6, drafter="ngram", prior=0.6)
+    step = make_step(8)
+    assert (policy.start(step) & (policy._target == 6)).all()
+    drafted = np.array([6, 2, 0, 4] * 2)
+    k = policy.verify_lengths(step, np.full((8, 6), 0.5), drafted)
+    assert np.all(k <= drafted) and 0 < k.max() < 6
+    assert np.all(k == np.minimum(drafted, k.max()))  # one uniform verification length
+
+
+def test_specserve_learns_per_request_predictability():
+    """Requests whose drafts are confident draft longer than hopeless ones."""
+    rng = np.random.default_rng(3)
+    policy = SpecServePolicy(COST, 8)
+    work = SyntheticWorkload(rng, concentration=30.0)
+    step = make_step(8)
+    mean = np.array([0.95] * 4 + [0.15] * 4)
+    drafted = np.zeros(8)
+    for i in range(40):
+        o = drive_step(policy, step, work, mean)
+        if i >= 10:
+            drafted += o.drafted
+    assert drafted[:4].min() > 2 * max(drafted[4:].max(), 1)
+
+
+def test_specserve_verifier_trims_but_drafter_only_does_not():
+    step = make_step(16)
+    conf = np.tile([0.9, 0.8, 0.3, 0.1], (16, 1))
+    drafted = np.full(16, 4)
+    full = SpecServePolicy(COST, 8).verify_lengths(step, conf, drafted)
+    only = SpecServePolicy(COST, 8, verifier=False).verify_lengths(step, conf, drafted)
+    np.testing.assert_array_equal(only, drafted)
+    assert np.all(full < drafted)
+
+
+def test_specserve_releases_state():
+    policy = SpecServePolicy(COST, 8)
+    work = SyntheticWorkload(np.random.default_rng(0))
+    step = make_step(4)
+    drive_step(policy, step, work, np.full(4, 0.7))
+    assert len(policy.drafter.history) == 4
+    for rid in step.request_ids:
+        policy.release(rid)
+    assert len(policy.drafter.history) == 0
+
+
+def test_empty_batch():
+    step = make_step(0)
+    for spec in POLICY_NAMES:
+        p = make_policy(spec, COST, k_max=8)
+        assert p.start(step).shape == (0,)
+        k = p.verify_lengths(step, np.zeros((0, 0)), np.zeros(0, dtype=np.int64))
+        assert k.shape == (0,)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_specserve_incremental_plan_matches_the_reference(seed):
+    """The drafter's running tokens / step time equal the non-incremental estimator, and
+    the verifier's fast path (drafter state) equals the slow path (from confidences)."""
+    rng = np.random.default_rng(seed)
+    B = int(rng.integers(1, 48))
+    step = make_step(
+        B,
+        context=rng.integers(10, 4000, B),
+        lag=rng.integers(0, 3, B),
+        slo=np.where(rng.random(B) < 0.5, 0.4, np.inf),
+    )
+    policy = SpecServePolicy(COST, 8, prior=float(rng.uniform(0.5, 0.95)))
+    work = SyntheticWorkload(rng)
+    mean = rng.uniform(0.3, 0.99, B)
+    conf = np.full((B, 8), np.nan)
+    drafted = np.zeros(B, dtype=np.int64)
+    drafting = policy.start(step)
+    j = 0
+    while drafting.any() and j < 8:
+        conf[drafting, j] = work.confidences(mean)[drafting]
+        drafted += drafting
+        j += 1
+        drafting = policy.extend(step, conf[:, :j], drafting)
+    d = policy.drafter
+    timer = StepTimer(COST, step)
+    assert d.time == pytest.approx(timer.plan(drafted, drafted), rel=1e-9)
+    P = chain_probs(policy.calibrator(conf[:, : max(j, 1)]))
+    assert d.tokens == pytest.approx(B + P.sum(), rel=1e-9)
+    if drafted.any():
+        assert d.time <= binding_slo(step)
+    assert d.plan_matches(conf[:, : max(j, 1)], drafted)
+    fast = policy.verify_lengths(step, conf[:, : max(j, 1)], drafted)
+    slow = SpecServePolicy(COST, 8, calibrator=policy.calibrator).verify_lengths(
+        step, conf[:, : max(j, 1)], drafted
+    )
+    np.testing.assert_array_equal(fast, slow)
+
+
+def test_specserve_catches_up_when_the_engine_skips_the_last_extend():
+    """sloserve/runtime does not call extend after the k_max-th forward; the verifier must
+    still see that position's real confidence."""
+    B, k_max = 4, 3
+    step = make_step(B, k_max=k_max)
+    policy = SpecServePolicy(cpu_cost_model(), k_max, prior=0.99)
+    conf = np.full((B, k_max), 0.99)
+    drafting = policy.start(step)
+    assert drafting.all()
+    for j in (1, 2):
+        drafting = policy.extend(step, conf[:, :j], drafting)
+    assert drafting.all()  # position 3 planned for everyone
+    conf[:, 2] = 0.01  # ... and it came out hopeless; no extend call follows
+    drafted = np.full(B, 3)
+    k = policy.verify_lengths(step, conf, drafted)
+    d = policy.drafter
+    assert d.plan_matches(conf, drafted)
+    assert d.tokens == pytest.approx(B + chain_probs(policy.calibrator(conf)).sum(), rel=1e-9)
+    np.testing.assert_array_equal(k, [2, 2, 2, 2])  # the hopeless tail is trimmed

@@ -1,0 +1,103 @@
+"""Profiler fit and profile files."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from sloserve.estimator.cost_model import ForwardCost
+from sloserve.profiler.fit import fit_forward_cost, fit_stats
+from sloserve.profiler.profile_file import (
+    ModelProfile,
+    Profile,
+    find_profile,
+    model_key,
+    profile_path,
+    read_profile,
+    write_profile,
+)
+
+TRUE = ForwardCost(a=2.0e-6, b=1.5e-3, c=28e-3)
+
+
+def grid_samples(cost: ForwardCost, rng: np.random.Generator, noise: float):
+    """The profiler grid: batch x context x query length, timings with multiplicative noise."""
+    out = []
+    for batch in (1, 2, 4, 8, 16, 32, 64):
+        for ctx in (64, 256, 1024, 4096):
+            for q in (1, 2, 4, 9):
+                n_ctx, n_q = batch * ctx, batch * q
+                t = cost.time(n_ctx, n_q) * (1.0 + noise * rng.standard_normal())
+                out.append((n_ctx, n_q, t))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_fit_recovers_known_coefficients_within_2_percent(seed):
+    rng = np.random.default_rng(seed)
+    fit = fit_forward_cost(grid_samples(TRUE, rng, noise=0.02))
+    assert fit.cost.a == pytest.approx(TRUE.a, rel=0.02)
+    assert fit.cost.b == pytest.approx(TRUE.b, rel=0.02)
+    assert fit.cost.c == pytest.approx(TRUE.c, rel=0.02)
+    assert fit.stats.r2 > 0.99 and fit.stats.mape < 0.03
+
+
+def test_fit_is_exact_without_noise_and_flags_bad_models():
+    fit = fit_forward_cost(grid_samples(TRUE, np.random.default_rng(0), noise=0.0))
+    assert fit.cost.b == pytest.approx(TRUE.b, rel=1e-9)
+    assert fit.stats.mape < 1e-9
+    wrong = fit_stats(
+        ForwardCost(TRUE.a, TRUE.b * 2, TRUE.c), grid_samples(TRUE, np.random.default_rng(0), 0.0)
+    )
+    assert wrong.mape > 0.1 and wrong.r2 < 0.99
+
+
+def test_fit_keeps_coefficients_non_negative():
+    # no context dependence at all, plus noise: an unconstrained fit may go negative
+    cost = ForwardCost(0.0, 1e-3, 5e-3)
+    fit = fit_forward_cost(grid_samples(cost, np.random.default_rng(1), noise=0.05))
+    assert fit.cost.a >= 0.0 and fit.cost.b > 0 and fit.cost.c > 0
+
+
+def test_fit_rejects_bad_samples():
+    with pytest.raises(ValueError):
+        fit_forward_cost([(1, 1, 0.1), (2, 2, 0.2)])
+    with pytest.raises(ValueError):
+        fit_forward_cost([(1, 1, 0.1), (2, 2, -0.2), (3, 1, 0.1)])
+
+
+def make_profile(name="models/tiny-target/", fp="abcdef0123456789") -> Profile:
+    return Profile(
+        target=ModelProfile(name, fp, TRUE),
+        draft=ModelProfile("tiny-draft", "ffff", ForwardCost(1e-7, 1e-4, 4e-3)),
+        device="cpu",
+        dtype="float32",
+        overhead=1e-3,
+        grid={"batch_sizes": [1, 2], "context_lens": [64], "query_lens": [1, 9]},
+        mode="quick",
+    )
+
+
+def test_profile_round_trip_and_lookup(tmp_path):
+    prof = make_profile()
+    path = write_profile(prof, profile_path(tmp_path, prof))
+    assert path.parent == tmp_path / "profiles"
+    assert path.name == "tiny-target-abcdef012345__tiny-draft-ffff__cpu__float32.json"
+    back = read_profile(path)
+    assert back == prof
+    assert back.cost_model().target == TRUE and back.cost_model().overhead == 1e-3
+    data = json.loads(path.read_text())
+    assert data["schema"] == "sloserve.profile" and data["target"]["cost"]["b"] == TRUE.b
+    key = model_key("models/tiny-target/", "abcdef0123456789")
+    assert find_profile(tmp_path, key, "tiny-draft-ffff", "cpu", "float32") == path
+    assert find_profile(tmp_path, key, "tiny-draft-ffff", "cpu", "bfloat16") is None
+    assert find_profile(tmp_path, "other", "tiny-draft-ffff", "cpu", "float32") is None
+
+
+def test_read_rejects_other_files(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text(json.dumps({"schema": "something-else"}))
+    with pytest.raises(ValueError):
+        read_profile(bad)

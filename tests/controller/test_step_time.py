@@ -1,0 +1,93 @@
+"""Step-time model: the closed forms agree with a forward-by-forward sum (DESIGN sec. 2)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sloserve.bench.synthetic import cpu_cost_model, make_step
+from sloserve.drafter.policy import StepInfo
+from sloserve.estimator.cost_model import CostModel, ForwardCost
+from sloserve.estimator.step_time import StepTimer, step_time
+
+COST = CostModel(ForwardCost(3e-6, 2e-3, 30e-3), ForwardCost(5e-7, 2e-4, 5e-3), overhead=2e-3)
+
+
+def brute_force(cost: CostModel, step: StepInfo, drafted, verified) -> float:
+    """Sum every forward explicitly, one draft step j at a time."""
+    n = step.context_lens.astype(float)
+    lag = step.draft_lag if step.draft_lag is not None else np.zeros(step.batch_size)
+    t = 0.0
+    for j in range(1, int(np.max(drafted, initial=0)) + 1):
+        rows = np.flatnonzero(np.asarray(drafted) >= j)
+        if j == 1:  # draft KV before the first forward: n - lag; it feeds lag + 1 tokens
+            ctx, q = (n[rows] - lag[rows]).sum(), len(rows) + lag[rows].sum()
+        else:
+            ctx, q = (n[rows] + j - 1).sum(), len(rows)
+        t += cost.draft.time(ctx, q)
+    q_verify = float(np.sum(np.asarray(verified) + 1)) + step.prefill_tokens
+    t += cost.target.time(n.sum() + step.prefill_context, q_verify)
+    return t + cost.overhead
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_plan_time_matches_forward_by_forward_sum(seed):
+    rng = np.random.default_rng(seed)
+    B = int(rng.integers(1, 40))
+    step = StepInfo(
+        request_ids=[str(i) for i in range(B)],
+        context_lens=rng.integers(10, 3000, B),
+        tpot_slo=np.full(B, np.inf),
+        k_max=8,
+        prefill_tokens=int(rng.integers(0, 300)),
+        prefill_context=int(rng.integers(0, 900)),
+        draft_lag=rng.integers(0, 3, B),
+    )
+    drafted = rng.integers(0, 9, B)
+    verified = np.minimum(drafted, rng.integers(0, 9, B))
+    assert step_time(COST, step, drafted, verified) == pytest.approx(
+        brute_force(COST, step, drafted, verified), rel=1e-12
+    )
+
+
+def test_uniform_times_match_plans():
+    step = make_step(12, context=np.arange(100, 1300, 100), lag=np.array([0, 1] * 6))
+    timer = StepTimer(COST, step)
+    uniform = timer.uniform(6)
+    for k in range(7):
+        ks = np.full(12, k)
+        assert uniform[k] == pytest.approx(brute_force(COST, step, ks, ks), rel=1e-12)
+
+
+def test_plain_step_has_no_draft_forward_and_counts_prefill():
+    step = StepInfo(["a", "b"], np.array([100, 300]), np.full(2, np.inf), 4, 50, 70)
+    zero = np.zeros(2, dtype=int)
+    expected = COST.target.time(400 + 70, 2 + 50) + COST.overhead
+    assert StepTimer(COST, step).plain == pytest.approx(expected)
+    assert step_time(COST, step, zero, zero) == pytest.approx(expected)
+
+
+def test_marginal_token_costs_add_up():
+    """draft_token_cost(j) + the fixed draft cost is what one more draft step adds."""
+    step = make_step(5, context=np.array([10, 200, 30, 4000, 50]), lag=np.array([0, 1, 2, 0, 1]))
+    timer = StepTimer(COST, step)
+    drafted = np.zeros(5, dtype=int)
+    for j in range(4):
+        before = timer.plan(drafted, drafted)
+        grown = drafted + 1
+        delta = timer.plan(grown, grown) - before
+        assert delta == pytest.approx(COST.draft.c + timer.draft_token_cost(j).sum(), rel=1e-12)
+        drafted = grown
+    np.testing.assert_allclose(
+        timer.draft_token_costs(4), [timer.draft_token_cost(j) for j in range(4)], rtol=1e-12
+    )
+
+
+def test_cpu_cost_model_shape():
+    """The synthetic CPU pair behaves like DESIGN sec. 10: verifying 8 tokens costs little
+    more than 1 at batch 1 and much more at batch 32."""
+    cost = cpu_cost_model()
+    t1 = StepTimer(cost, make_step(1)).uniform(7)
+    t32 = StepTimer(cost, make_step(32)).uniform(7)
+    assert t1[7] / t1[0] < 2.5
+    assert t32[7] / t32[0] > 3.0

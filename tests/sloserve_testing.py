@@ -1,0 +1,29 @@
+"""Helpers shared by the test packages (imported as `sloserve_testing`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY_SHAPE = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+)
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
+    """transformers' greedy generate, the reference for token-for-token equality."""
+    ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt_ids):].tolist()
+
+
+def prompts_of_lengths(lengths: list[int], seed: int = 0, vocab: int = 2048) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, vocab, (n,), generator=g).tolist() for n in lengths]
