@@ -21,11 +21,6 @@ from sloserve.runtime.models.loader import load_model
 
 log = logging.getLogger(__name__)
 
-try:  # registers "flashinfer" when the package and a GPU are present
-    import sloserve.runtime.attention.flashinfer_backend  # noqa: F401
-except ImportError:
-    pass
-
 
 @dataclass
 class EngineParts:

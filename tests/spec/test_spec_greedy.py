@@ -114,3 +114,21 @@ def test_stops_inside_accepted_runs(make_engine, prompts):
     for e in (plain, spec):
         e.runner.eos = frozenset(stop_ids)
     assert _run(spec, prompts[:8], 30) == _run(plain, prompts[:8], 30)
+
+
+from sloserve.drafter.registry import POLICY_NAMES  # noqa: E402
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_every_policy_keeps_greedy_output(make_engine, prompts, reference, policy):
+    """Controller acceptance 2: the same equivalence for every registered policy, with an SLO
+    so the SLO-aware paths run too."""
+    eng = make_engine(spec_policy=policy, tpot_slo=0.05)
+    assert _run(eng, prompts, 24) == reference
+
+
+@pytest.mark.parametrize("policy", ["specserve", "goodput", "hf-threshold"])
+def test_policies_with_ngram_drafter_keep_greedy_output(make_engine, prompts, policy):
+    rep = [(p[:5] * 8)[: 12 + i] for i, p in enumerate(prompts[:10])]
+    ref = _run(make_engine(spec_policy="ar"), rep, 20)
+    assert _run(make_engine(spec_policy=policy, drafter="ngram"), rep, 20) == ref
