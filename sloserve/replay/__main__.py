@@ -48,10 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
         "\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("trace (a file, or a synthetic one)")
     src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--trace", type=Path, help="trace file")
+    src.add_argument("--trace", type=Path, action="append",
+                     help="trace file; repeat for several traces (each gets every load level)")
     src.add_argument("--synthetic", choices=("poisson", "gamma"), help="generate arrivals")
     g.add_argument("--trace-format", default="auto", choices=("auto", *FORMATS))
-    g.add_argument("--trace-name", help="label in reports; the file stem if unset")
+    g.add_argument("--trace-name", action="append",
+                   help="label in reports, one per --trace in order; the file stem if unset")
     g.add_argument("--arrival-rate", type=float, default=2.0, help="synthetic req/s")
     g.add_argument("--cv", type=float, default=2.0, help="gamma inter-arrival CV")
     g.add_argument("--num-requests", type=int, default=200, help="synthetic request count")
@@ -131,16 +133,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def base_traces(args: argparse.Namespace) -> list[tuple[str, list[TraceRequest]]]:
+    """Every --trace (or the synthetic one), with its report label."""
+    if args.trace:
+        names = list(args.trace_name or [])
+        if len(names) > len(args.trace):
+            raise SystemExit("more --trace-name than --trace")
+        names += [t.stem for t in args.trace[len(names):]]
+        return [(n, load_trace(t, args.trace_format)) for n, t in zip(names, args.trace)]
+    return [base_trace(args)]
+
+
 def base_trace(args: argparse.Namespace) -> tuple[str, list[TraceRequest]]:
-    if args.trace is not None:
-        return args.trace_name or args.trace.stem, load_trace(args.trace, args.trace_format)
     rng = np.random.default_rng(args.seed)
     cv = 1.0 if args.synthetic == "poisson" else args.cv
     arrivals = gamma_arrivals(args.arrival_rate, cv, args.num_requests, rng)
     trace = synthetic_trace(arrivals, args.input_len, args.output_len, rng,
                             args.synthetic_categories)
     default = f"{args.synthetic}_cv{cv:g}_r{args.arrival_rate:g}_n{args.num_requests}"
-    return args.trace_name or default, trace
+    return (args.trace_name or [default])[0], trace
 
 
 def prompt_source(args: argparse.Namespace) -> PromptSource:
@@ -177,7 +188,10 @@ def policy_urls(urls: list[str], policies: list[str]) -> dict[str, str | None]:
 
 
 def workloads(args: argparse.Namespace) -> list[Workload]:
-    name, trace = base_trace(args)
+    return [w for name, trace in base_traces(args) for w in trace_workloads(args, name, trace)]
+
+
+def trace_workloads(args: argparse.Namespace, name: str, trace: list[TraceRequest]) -> list[Workload]:
     base = Scaling(
         start_s=args.start_s, duration_s=args.duration_s, input_scale=args.input_scale,
         output_scale=args.output_scale, input_min=args.input_min, input_max=args.input_max,
