@@ -2,6 +2,7 @@
 
     python -m sloserve.bench.controller [--batches 1,8,32,64] [--k-max 8]
         [--policies specserve,...] [--cost cpu,gpu] [--steps 1000] [--repeat 3]
+        [--clock wall|cpu]
         [--out out/controller_bench.json]
 
 For each batch size, a fixed batch of requests runs `--steps` decode steps through the
@@ -43,15 +44,28 @@ def gpu_cost_model() -> CostModel:
 
 COST_MODELS = {"cpu": cpu_cost_model, "gpu": gpu_cost_model}
 PARTS = ("start", "extend", "verify", "observe")
+# wall: perf_counter; cpu: this thread's CPU time, which leaves out the time the thread
+# waits for a core while other processes run (a shared 2-core machine)
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 
-def timed_step(policy: SpecPolicy, step: StepInfo, conf_all: np.ndarray, work) -> tuple:
+def clock_pair_cost(clock) -> float:
+    """Median seconds one (t0 = clock(); clock() - t0) pair adds to a measurement."""
+    pairs = []
+    for _ in range(5000):
+        t0 = clock()
+        pairs.append(clock() - t0)
+    return float(np.median(pairs))
+
+
+def timed_step(
+    policy: SpecPolicy, step: StepInfo, conf_all: np.ndarray, work, clock=time.perf_counter
+) -> tuple:
     """One step in engine order. Returns ([start, extend, verify, observe] policy seconds,
     extend calls, drafted, verified, accepted)."""
     B, k_max = conf_all.shape
     conf = np.full((B, k_max), np.nan)
     drafted = np.zeros(B, dtype=np.int64)
-    clock = time.perf_counter
     spent = [0.0, 0.0, 0.0, 0.0]
     t0 = clock()
     drafting = policy.start(step)
@@ -76,8 +90,12 @@ def timed_step(policy: SpecPolicy, step: StepInfo, conf_all: np.ndarray, work) -
     return spent, j, int(drafted.sum()), int(verified.sum()), int(accepted.sum())
 
 
-def bench_one(spec: str, cost: CostModel, batch: int, k_max: int, steps: int, seed: int) -> dict:
+def bench_one(
+    spec: str, cost: CostModel, batch: int, k_max: int, steps: int, seed: int, clock: str = "wall"
+) -> dict:
     rng = np.random.default_rng(seed)
+    tick = CLOCKS[clock]
+    pair = clock_pair_cost(tick)
     work = SyntheticWorkload(rng)
     policy = make_policy(spec, cost, k_max=k_max)
     mean = rng.uniform(0.3, 0.95, batch)  # per-request predictability
@@ -87,7 +105,11 @@ def bench_one(spec: str, cost: CostModel, batch: int, k_max: int, steps: int, se
     for i in range(warmup + steps):
         step = make_step(batch, context=context, k_max=k_max, lag=np.zeros(batch, np.int64))
         conf_all = work.confidences(np.repeat(mean[:, None], k_max, axis=1))  # [B, k_max]
-        spent, n_ext, d, v, a = timed_step(policy, step, conf_all, work)
+        spent, n_ext, d, v, a = timed_step(policy, step, conf_all, work, tick)
+        spent[0] -= pair
+        spent[1] -= pair * n_ext
+        spent[2] -= pair
+        spent[3] -= pair
         context = context + 1
         if i >= warmup:
             parts.append(spent)
@@ -98,6 +120,8 @@ def bench_one(spec: str, cost: CostModel, batch: int, k_max: int, steps: int, se
     n = steps * batch
     return {
         "policy": spec,
+        "clock": clock,
+        "clock_pair_us": pair * 1e6,
         "batch": batch,
         "k_max": k_max,
         "steps": steps,
@@ -114,7 +138,7 @@ def bench_one(spec: str, cost: CostModel, batch: int, k_max: int, steps: int, se
 
 def print_table(rows: list[dict]) -> None:
     head = (
-        f"{'policy':18s} {'cost':4s} {'B':>4s} {'median us':>10s} {'p90 us':>8s} "
+        f"{'policy':18s} {'clock':5s} {'cost':4s} {'B':>4s} {'median us':>10s} {'p90 us':>8s} "
         f"{'extends':>8s} {'drafted':>8s} {'verified':>8s} {'accepted':>8s}   "
         "median us: start / extend (all calls) / verify / observe"
     )
@@ -122,7 +146,7 @@ def print_table(rows: list[dict]) -> None:
     print("-" * len(head))
     for r in rows:
         print(
-            f"{r['policy']:18s} {r['cost']:4s} {r['batch']:4d} {r['median_us']:10.1f} "
+            f"{r['policy']:18s} {r['clock']:5s} {r['cost']:4s} {r['batch']:4d} {r['median_us']:10.1f} "
             f"{r['p90_us']:8.1f} {r['extend_calls']:8.2f} {r['drafted_per_req']:8.2f} "
             f"{r['verified_per_req']:8.2f} {r['accepted_per_req']:8.2f}   "
             + " / ".join(f"{v:.1f}" for v in r["median_parts_us"].values())
@@ -143,6 +167,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--policies", default="specserve")
     ap.add_argument("--cost", default="cpu,gpu", help="comma list of: " + ", ".join(COST_MODELS))
     ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument(
+        "--clock",
+        default="wall",
+        choices=list(CLOCKS),
+        help="wall: perf_counter; cpu: thread CPU time (robust to other processes); the cost "
+        "of reading the clock is measured and subtracted",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--repeat",
@@ -154,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="out/controller_bench.json")
     args = ap.parse_args(argv)
     rows = []
+    load_at_start = _loadavg()
     for cost_name in args.cost.split(","):
         if cost_name not in COST_MODELS:
             ap.error(f"--cost {cost_name!r}: valid: {', '.join(COST_MODELS)}")
@@ -161,18 +193,20 @@ def main(argv: list[str] | None = None) -> None:
         for spec in args.policies.split(","):
             for batch in (int(b) for b in args.batches.split(",")):
                 runs = [
-                    bench_one(spec, cost, batch, args.k_max, args.steps, args.seed)
+                    bench_one(spec, cost, batch, args.k_max, args.steps, args.seed, args.clock)
                     for _ in range(max(1, args.repeat))
                 ]
                 best = min(runs, key=lambda r: r["median_us"])
                 rows.append({"cost": cost_name, **best, "repeats": len(runs)})
     print_table(rows)
+    print(f"load average (1, 5, 15 min) at start {load_at_start}, at end {_loadavg()}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "sloserve_version": __version__,
         "steps": args.steps,
         "repeat": args.repeat,
+        "loadavg_at_start": load_at_start,
         "loadavg_at_end": _loadavg(),
         "python": platform.python_version(),
         "numpy": np.__version__,

@@ -111,11 +111,13 @@ def main(argv=None) -> dict:
         rel = r["tok_s"] / ar[r["batch"]]["tok_s"] if r["batch"] in ar else float("nan")
         r["speedup_vs_ar"] = rel
         acc = "-" if r["policy"] == "ar" else f"{r['verified_acceptance_rate']:.2f}"
+        r["controller_share"] = r["policy_time_per_step_us"] / 1000 / max(r["step_time_mean_ms"], 1e-9)
         table.append([r["batch"], r["policy"], f"{r['mean_tpot_ms']:.1f}", f"{r['tok_s']:.1f}",
                       f"{rel:.2f}x", f"{r['mean_k']:.2f}", acc, f"{r['max_step_ms']:.1f}",
-                      r["slo_step_misses"] if args.tpot_slo else "-"])
+                      r["slo_step_misses"] if args.tpot_slo else "-",
+                      f"{r['policy_time_per_step_us']:.0f}", f"{100 * r['controller_share']:.2f}%"])
     print_table(["batch", "policy", "TPOT ms", "tok/s", "vs ar", "mean k", "accept", "max step ms",
-                 "SLO-miss steps"], table)
+                 "SLO-miss steps", "ctrl us/step", "ctrl share"], table)
     result = {"benchmark": "spec", "args": vars(args), "machine": machine_info(),
               "cost_model": dataclasses.asdict(base.parts.cost), "rows": rows}
     write_json(args.out, result)

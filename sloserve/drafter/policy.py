@@ -8,7 +8,8 @@ without a model. Call order within one step:
     j = 1
     while drafting.any() and j <= step.k_max:
         run one draft forward for the requests in `drafting`, giving confidences[:, j-1]
-        drafting = policy.extend(step, confidences[:, :j], drafting)   # subset of drafting
+        if j < step.k_max:   # no extend after position k_max: drafting stops there anyway
+            drafting = policy.extend(step, confidences[:, :j], drafting)  # subset of drafting
         j += 1
     k = policy.verify_lengths(step, confidences, drafted)  # [B] int, 0 <= k_r <= drafted_r
     ... one ragged target forward verifies k_r + 1 tokens per request ...

@@ -30,7 +30,8 @@ class DraftResult:
     confidences: np.ndarray  # [B, s_max] float, NaN beyond s_r
     q: list[list[torch.Tensor]]  # [B][s_r] processed draft distributions (sampling requests)
     k: np.ndarray  # [B] verify lengths chosen by the policy
-    draft_time: float = 0.0
+    draft_time: float = 0.0  # wall time of the drafting loop (forwards + policy calls)
+    policy_time: float = 0.0  # wall time inside the policy's start/extend/verify_lengths
     forwards: int = 0
     batch_sizes: list[int] = field(default_factory=list)  # requests per draft forward
 
@@ -104,6 +105,7 @@ def run_drafting(drafter: Drafter, policy: SpecPolicy, reqs: list[Request], step
     res = DraftResult(tokens, conf, q, np.zeros(B, dtype=np.int64))
     t0 = time.perf_counter()
     active = np.asarray(policy.start(step), dtype=bool).copy() if k_max > 0 else np.zeros(B, bool)
+    res.policy_time += time.perf_counter() - t0
     j = 0
     while active.any() and j < k_max:
         rows = np.flatnonzero(active)
@@ -120,12 +122,16 @@ def run_drafting(drafter: Drafter, policy: SpecPolicy, reqs: list[Request], step
                 q[i].append(prop[2])
         j += 1
         if j < k_max and active.any():
+            tp = time.perf_counter()
             active = active & np.asarray(policy.extend(step, conf[:, :j], active), dtype=bool)
+            res.policy_time += time.perf_counter() - tp
     res.draft_time = time.perf_counter() - t0
     drafted = np.array([len(t) for t in tokens], dtype=np.int64)
     res.confidences = conf
     if drafted.any():
+        tp = time.perf_counter()
         k = np.asarray(policy.verify_lengths(step, conf[:, : max(1, int(drafted.max()))], drafted))
+        res.policy_time += time.perf_counter() - tp
         res.k = np.clip(k.astype(np.int64), 0, drafted)
     return res
 

@@ -116,9 +116,8 @@ class StepRunner:
             prefill_tokens=sum(n for _, n in sched.prefills),
             prefill_context=sum(r.kv_len + n for r, n in sched.prefills),
         )
-        t = time.perf_counter()
         res = run_drafting(self.drafter, self.policy, decodes, info)
-        self.stats.policy_time_total += time.perf_counter() - t - res.draft_time
+        self.stats.policy_time_total += res.policy_time
         self.stats.draft_forwards += res.forwards if self.drafter.kind == "model" else 0
         self._step_info = info
         return res
@@ -219,7 +218,9 @@ class StepRunner:
             step_time,
         ))
         if draft is not None:
+            t = time.perf_counter()
             self.policy.observe(self._step_info, VerifyOutcome(
                 drafted=drafted, verified=ks.copy(), accepted=accepted,
                 confidences=draft.confidences, step_time=step_time, draft_time=draft.draft_time,
             ))
+            s.policy_time_total += time.perf_counter() - t
