@@ -85,8 +85,8 @@ class Drafter:
         if greedy:
             probs = torch.softmax(logits[greedy], dim=-1)
             conf, tok = probs.max(dim=-1)
-            for j, i in enumerate(greedy):
-                out[i] = (int(tok[j]), float(conf[j]), None)
+            for i, t, c in zip(greedy, tok.tolist(), conf.tolist()):
+                out[i] = (t, c, None)
         sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if sampled:
             q = processed_probs(logits[sampled], [reqs[i].params for i in sampled])
