@@ -112,6 +112,7 @@ class AsyncEngine:
                 cmd[2].set_result(cmd[1](eng))
             except Exception as e:
                 cmd[2].set_exception(e)
+            self._dispatch(eng.take_aborted())  # fn may have aborted requests
 
     def _dispatch(self, outs: list[RequestOutput]) -> None:
         for o in outs:

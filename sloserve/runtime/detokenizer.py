@@ -62,3 +62,15 @@ def find_stop(text: str, new_len: int, stops: tuple[str, ...]) -> tuple[int, str
         if i != -1 and (best is None or i < best[0]):
             best = (i, s)
     return best
+
+
+def partial_stop_len(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of a stop string: text
+    that must not be streamed yet, since the next tokens may complete the stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best

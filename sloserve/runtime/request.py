@@ -109,6 +109,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     output_text: str = ""  # detokenized output, stop string trimmed
+    text_sent: int = 0  # characters of output_text already handed to the client
 
     def __post_init__(self):
         if self.params.seed is not None:

@@ -16,7 +16,7 @@ import torch
 from sloserve.drafter.policy import VerifyOutcome
 from sloserve.runtime.batch import Segment
 from sloserve.runtime.config import EngineConfig
-from sloserve.runtime.detokenizer import Detokenizer, DetokState, find_stop
+from sloserve.runtime.detokenizer import Detokenizer, DetokState, find_stop, partial_stop_len
 from sloserve.runtime.engine_setup import EngineParts
 from sloserve.runtime.request import FinishReason, Request, Status
 from sloserve.runtime.sampler import draw, processed_probs
@@ -144,7 +144,6 @@ class StepRunner:
     # ----- commit: append tokens, stop checks, KV rollback
     def _commit(self, r: Request, tokens: list[int]) -> Touched:
         st = self._detok[r.rid]
-        before = len(r.output_text)
         new_ids: list[int] = []
         reason = None
         for t in tokens:
@@ -162,13 +161,16 @@ class StepRunner:
             r.kv_len = r.num_tokens - 1
             r.draft_kv_len = min(r.draft_kv_len, r.num_tokens - 1)
             self.scheduler.trim(r, r.num_tokens)
-        new_text = r.output_text[before:]
         if reason is not None:
-            if r.matched_stop is None or not isinstance(r.matched_stop, str):
-                tail = self.detok.flush(st)
+            if not isinstance(r.matched_stop, str):  # no stop string cut the text: flush
+                self.detok.flush(st)
                 r.output_text = st.text
-                new_text += tail
             self.finish(r, reason)
+            safe = len(r.output_text)
+        else:  # hold back a tail that may be the start of a stop string
+            safe = len(r.output_text) - partial_stop_len(r.output_text, r.params.stop)
+        new_text = r.output_text[r.text_sent : safe]
+        r.text_sent = max(r.text_sent, safe)
         return r, new_ids, new_text
 
     def _stop_reason(self, r: Request, t: int, new_chars: int) -> FinishReason | None:

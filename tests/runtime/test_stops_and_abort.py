@@ -76,3 +76,24 @@ def test_processed_probs_top_k_top_p():
     assert torch.allclose(p, torch.tensor([[0.5 / 0.75, 0.25 / 0.75, 0, 0]]))
     p = processed_probs(logits, [SamplingParams(temperature=1.0, top_p=0.5)])
     assert torch.allclose(p, torch.tensor([[1.0, 0, 0, 0]]))
+
+
+def test_streamed_text_never_leaks_a_stop_string_prefix(make_engine):
+    """Text deltas hold back a tail that could start a stop string, so the concatenated
+    deltas equal the final (trimmed) text and never contain the stop string's start."""
+    from sloserve.runtime.detokenizer import partial_stop_len
+
+    assert partial_stop_len("abc<en", ("<end>",)) == 3
+    assert partial_stop_len("abc", ("<end>",)) == 0
+    eng = make_engine(spec_policy="fixed:4")
+    p = prompts_of_lengths([11], seed=6)[0]
+    text = eng.generate([p], _greedy(30, ignore_eos=True))[0]["text"]
+    stop = text[12:16]
+    req = eng.add_request(p, _greedy(30, ignore_eos=True, stop=(stop,)))
+    streamed = ""
+    while eng.has_work:
+        for out in eng.step():
+            if out.rid == req.rid:
+                streamed += out.new_text
+                assert stop not in streamed
+    assert streamed == req.output_text == text[: text.index(stop)]

@@ -1,0 +1,210 @@
+"""Launch the server: SGLang's native HTTP API, the OpenAI-compatible API and /metrics.
+
+    python -m sloserve.launch                       # the built-in model pair, port 30000
+    python -m sloserve.launch --tpot-slo 30ms --spec-policy specserve --port 30000
+    python -m sloserve.launch --model-path /models/target --draft-model-path /models/draft
+    python -m sloserve.launch --model-path /models/target --drafter ngram
+
+The EngineConfig is built once from the options (and is frozen). When the server accepts
+connections it prints `sloserve ready: http://HOST:PORT`; SIGINT or SIGTERM aborts running
+requests, stops the engine and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import re
+import signal
+import sys
+from pathlib import Path
+
+from sloserve.runtime.config import EngineConfig
+from sloserve.runtime.scheduler import SchedulerConfig
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s)?\s*$")
+_ENGINE, _SCHED = EngineConfig(), SchedulerConfig()
+
+
+def duration(text: str) -> float:
+    """Seconds from '30ms', '0.03s' or '30' (a bare number is milliseconds)."""
+    m = _DURATION.match(text)
+    value = float(m.group(1)) if m else math.nan
+    if not m or not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(
+            f"invalid duration {text!r}: use a positive number with ms or s, e.g. 30ms, "
+            "0.03s, or 30 (= milliseconds)")
+    return value if m.group(2) == "s" else value / 1000.0
+
+
+def _int_in(lo: int, hi: int | None = None):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+        if v < lo or (hi is not None and v > hi):
+            bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {v}")
+        return v
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def _existing_dir(text: str) -> str:
+    if not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
+    return text
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None ones (their help says what happens)."""
+
+    def _get_help_string(self, action):
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m sloserve.launch", description=__doc__.split("\n")[0],
+        formatter_class=_Help)
+    m = p.add_argument_group("models (none given: the built-in pair)")
+    m.add_argument("--model-path", type=_existing_dir, default=None,
+                   help="target model: a Hugging Face directory (Llama family)")
+    m.add_argument("--draft-model-path", type=_existing_dir, default=None,
+                   help="draft model directory (implies --drafter model)")
+    m.add_argument("--drafter", choices=("model", "ngram", "none"), default=None,
+                   help="draft source: a draft model, model-free n-gram prompt lookup, or no "
+                        "speculation (default: model)")
+    m.add_argument("--served-model-name", default=None,
+                   help="model id in /v1/models and responses (default: the directory name)")
+    s = p.add_argument_group("speculation and SLOs")
+    s.add_argument("--spec-policy", default=_ENGINE.spec_policy,
+                   help="speculation policy: ar, fixed:K, hf-heuristic[:K0], hf-threshold[:T], "
+                        "goodput, lut[:B=K,...], sglang-adaptive, specserve-drafter, specserve")
+    s.add_argument("--k-max", type=_int_in(0, 32), default=_ENGINE.k_max,
+                   help="most draft tokens per request per step")
+    s.add_argument("--tpot-slo", type=duration, default=None,
+                   help="default time-per-output-token SLO of requests without their own: "
+                        "30ms, 0.03s or 30 (= ms)")
+    s.add_argument("--ttft-slo", type=duration, default=None,
+                   help="default time-to-first-token SLO, same units as --tpot-slo")
+    e = p.add_argument_group("engine")
+    e.add_argument("--max-running-requests", type=_int_in(1), default=_SCHED.max_running_requests,
+                   help="most requests decoding at once")
+    e.add_argument("--max-step-tokens", type=_int_in(1), default=_SCHED.max_step_tokens,
+                   help="target query tokens per step (prefill chunks + decodes)")
+    e.add_argument("--kv-cache-tokens", type=_int_in(1), default=_ENGINE.kv_cache_tokens,
+                   help="KV cache capacity shared by all requests, in tokens")
+    e.add_argument("--block-size", type=_int_in(1), default=_ENGINE.block_size,
+                   help="tokens per KV cache block")
+    e.add_argument("--device", choices=("auto", "cpu", "cuda"), default=_ENGINE.device,
+                   help="where the models run (auto: cuda when available)")
+    e.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                   default=_ENGINE.dtype, help="weights and KV dtype (auto: bfloat16 on "
+                   "cuda, float32 on cpu)")
+    e.add_argument("--attention-backend", choices=("auto", "torch", "flashinfer"),
+                   default=_ENGINE.attention_backend, help="attention implementation")
+    e.add_argument("--profile-path", default=None,
+                   help="cost profile file (default: look up configs/profiles)")
+    e.add_argument("--num-threads", type=_int_in(1), default=None,
+                   help="torch CPU threads (default: torch's choice)")
+    e.add_argument("--seed", type=int, default=_ENGINE.seed, help="engine random seed")
+    h = p.add_argument_group("server")
+    h.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    h.add_argument("--port", type=_int_in(0, 65535), default=30000,
+                   help="port to listen on (0: any free port; the ready line shows it)")
+    h.add_argument("--log-level", default="info",
+                   choices=("debug", "info", "warning", "error", "critical"),
+                   help="logging level of the server and of uvicorn")
+    return p
+
+
+def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> EngineConfig:
+    """The one EngineConfig of this server; parser.error (exit 2, naming the option) on
+    inconsistent options."""
+    drafter = args.drafter or "model"
+    if args.draft_model_path and drafter != "model":
+        parser.error(f"argument --draft-model-path: needs --drafter model (got {drafter})")
+    if args.model_path and drafter == "model" and not args.draft_model_path:
+        parser.error("argument --model-path: a custom target needs --draft-model-path, or "
+                     "--drafter ngram / none")
+    _check_policy(parser, args.spec_policy, args.k_max, drafter)
+    return EngineConfig(
+        model_path=args.model_path, draft_model_path=args.draft_model_path, drafter=drafter,
+        spec_policy=args.spec_policy, k_max=args.k_max, tpot_slo=args.tpot_slo,
+        ttft_slo=args.ttft_slo, kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size,
+        scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,
+                                  max_step_tokens=args.max_step_tokens),
+        attention_backend=args.attention_backend, device=args.device, dtype=args.dtype,
+        profile_path=args.profile_path, seed=args.seed, num_threads=args.num_threads,
+    )
+
+
+def _check_policy(parser, spec: str, k_max: int, drafter: str) -> None:
+    from sloserve.drafter.registry import make_policy
+    from sloserve.estimator.cost_model import CostModel, ForwardCost
+
+    free = ForwardCost.free()
+    try:
+        make_policy(spec, CostModel(free, free), k_max=k_max,
+                    drafter="ngram" if drafter == "ngram" else "model")
+    except ValueError as e:
+        parser.error(f"argument --spec-policy: {e}")
+
+
+async def _serve(server, host: str, state) -> None:
+    task = asyncio.create_task(server.serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        port = server.servers[0].sockets[0].getsockname()[1]
+        print(f"sloserve ready: http://{host}:{port}", flush=True)
+    while not server.should_exit and not task.done():
+        await asyncio.sleep(0.05)
+    if not task.done():
+        # a signal arrived: end the running requests now (streams get finish_reason "abort"
+        # and [DONE]) so that uvicorn's graceful shutdown does not wait for them
+        try:
+            await asyncio.wait_for(state.abort_all(), 5)
+        except Exception:  # the engine thread may be gone; uvicorn still shuts down
+            logging.getLogger(__name__).exception("aborting requests at shutdown failed")
+    await task
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cfg = config_from_args(parser, args)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    from sloserve.runtime.engine import Engine
+    from sloserve.sglang_ext.app import create_app
+
+    try:
+        engine = Engine(cfg)
+    except (ValueError, OSError) as e:  # ModelLoadError is a ValueError
+        print(f"error: cannot start the engine: {e}", file=sys.stderr)
+        return 1
+    app = create_app(engine, args.served_model_name)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level,
+        timeout_graceful_shutdown=5, lifespan="on"))
+    # uvicorn handles SIGINT/SIGTERM (graceful shutdown), then re-raises the signal to the
+    # handler that was installed before it: make that one a no-op so that we exit 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    asyncio.run(_serve(server, args.host, app.state.serving))
+    print("sloserve stopped", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

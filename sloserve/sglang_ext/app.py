@@ -1,0 +1,43 @@
+"""The FastAPI application: SGLang's native API, the OpenAI-compatible API and /metrics over
+one engine."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from sloserve.runtime.engine import Engine
+from sloserve.sglang_ext import native_api, openai_api
+from sloserve.sglang_ext.errors import install_error_handlers
+from sloserve.sglang_ext.serving import ServingState
+
+log = logging.getLogger(__name__)
+
+
+def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
+    """An app serving `engine`. Starts the engine thread now; the app's shutdown (lifespan)
+    aborts what is still running and stops the thread. `app.state.serving` is the
+    ServingState."""
+    state = ServingState(engine, served_model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        try:
+            yield
+        finally:
+            try:
+                n = await state.abort_all()
+                if n:
+                    log.info("aborted %d running requests at shutdown", n)
+            except Exception:  # the engine thread may be dead already
+                log.exception("abort at shutdown failed")
+            state.shutdown()
+
+    app = FastAPI(title="sloserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.serving = state
+    install_error_handlers(app)
+    app.include_router(native_api.router)
+    app.include_router(openai_api.router)
+    return app

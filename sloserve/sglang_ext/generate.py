@@ -1,0 +1,206 @@
+"""SGLang's POST /generate: one prompt or a batch, streamed (server-sent events, cumulative
+`text` per chunk, ending `data: [DONE]`) or not, with SGLang's `meta_info`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from sloserve.runtime.async_engine import EngineDeadError
+from sloserve.runtime.request import SamplingParams
+from sloserve.sglang_ext.errors import APIError, parse_body
+from sloserve.sglang_ext.logprobs import triples
+from sloserve.sglang_ext.protocol import (
+    GenerateRequest,
+    Item,
+    finish_reason_json,
+    normalize,
+    to_engine_params,
+)
+from sloserve.sglang_ext.serving import (
+    Progress,
+    ServingState,
+    last_of,
+    merge,
+    until_disconnect,
+)
+
+
+@dataclass
+class Job:
+    """One validated prompt of a /generate request."""
+
+    item: Item
+    ids: list[int]
+    params: SamplingParams | None  # None: max_new_tokens == 0 (prefill only, no engine request)
+
+
+def prepare(state: ServingState, item: Item, batched: bool) -> Job:
+    where = f"[{item.index}]" if batched else ""
+    field = ("text" if isinstance(item.prompt, str) else "input_ids") + where
+    ids = state.prompt_ids(item.prompt, field)
+    sp = item.sp
+    max_new = sp.max_new_tokens if sp.max_new_tokens is not None else state.default_max_tokens(
+        len(ids))
+    if max_new < 0:
+        raise APIError.bad("sampling_params.max_new_tokens", f"must be >= 0, got {max_new}")
+    params = to_engine_params(sp, max_new_tokens=max(max_new, 1))
+    if item.return_logprob and item.logprob_start_len > len(ids):
+        raise APIError.bad("logprob_start_len", f"{item.logprob_start_len} is beyond the "
+                           f"prompt's {len(ids)} tokens")
+    return Job(item, ids, params if max_new > 0 else None)
+
+
+def meta_info(job: Job, prog: Progress | None, final: bool) -> dict:
+    """SGLang's meta_info, plus the speculation counters of the request."""
+    last = prog.last if prog is not None else None
+    completion = last.completion_tokens if last else 0
+    meta = {
+        "id": prog.rid if prog is not None else job.item.rid,
+        "finish_reason": None,
+        "prompt_tokens": len(job.ids),
+        "completion_tokens": completion,
+        "cached_tokens": 0,
+    }
+    if last is not None:
+        verify_ct, accepted, proposed = last.spec_verify_ct, last.spec_accepted, last.spec_proposed
+        meta["finish_reason"] = finish_reason_json(last.finish_reason, last.matched_stop,
+                                                   completion)
+    else:
+        verify_ct = accepted = proposed = 0
+        if final:
+            meta["finish_reason"] = finish_reason_json("length", None, 0)
+    meta.update(
+        spec_verify_ct=verify_ct,
+        spec_accept_rate=accepted / proposed if proposed else 0.0,
+        spec_accept_length=1.0 + accepted / verify_ct if verify_ct else 1.0,
+        spec_accept_token_num=accepted,
+        spec_draft_token_num=proposed,
+    )
+    if final:
+        meta["e2e_latency"] = prog.e2e_latency if prog is not None else 0.0
+    return meta
+
+
+def _text(job: Job, prog: Progress | None) -> str:
+    if prog is None:
+        return ""
+    last = prog.last
+    if (job.item.sp.no_stop_trim and last is not None and last.finish_reason == "stop"
+            and isinstance(last.matched_stop, str)):
+        return prog.text + last.matched_stop
+    return prog.text
+
+
+async def _add_logprobs(state: ServingState, job: Job, prog: Progress | None, meta: dict) -> None:
+    it = job.item
+    out_ids = prog.output_ids if prog is not None else []
+    if prog is not None and prog.last is not None and prog.last.finish_reason == "abort":
+        return
+    start = len(job.ids) if it.logprob_start_len == -1 else it.logprob_start_len
+    sc = await state.score(job.ids + out_ids, start, it.top_logprobs_num)
+    n_in = len(job.ids) - start
+    tok, with_text = state.tokenizer, it.return_text
+    meta["input_token_logprobs"] = triples(sc.logprobs[:n_in], sc.token_ids[:n_in], tok,
+                                           with_text)
+    meta["output_token_logprobs"] = triples(sc.logprobs[n_in:], sc.token_ids[n_in:], tok,
+                                            with_text)
+    if it.top_logprobs_num > 0:
+        def tops(rows):
+            return [triples([v for v, _ in r], [i for _, i in r], tok, with_text) if r else None
+                    for r in rows]
+        meta["input_top_logprobs"] = tops(sc.top[:n_in])
+        meta["output_top_logprobs"] = tops(sc.top[n_in:])
+
+
+async def run_job(state: ServingState, job: Job) -> dict:
+    """A non-streamed answer: {"text", "output_ids", "meta_info"}."""
+    prog = None
+    if job.params is not None:
+        async with aclosing(state.run(job.ids, job.params, job.item.rid)) as stream:
+            prog = await last_of(stream)
+    meta = meta_info(job, prog, final=True)
+    if job.item.return_logprob:
+        await _add_logprobs(state, job, prog, meta)
+    return {"text": _text(job, prog), "output_ids": prog.output_ids if prog else [],
+            "meta_info": meta}
+
+
+async def stream_job(state: ServingState, job: Job, batched: bool) -> AsyncIterator[dict]:
+    """Chunks of one streamed prompt: cumulative text and output_ids, meta_info so far."""
+    index = {"index": job.item.index} if batched else {}
+    if job.params is None:
+        yield {**await run_job(state, job), **index}
+        return
+    async with aclosing(state.run(job.ids, job.params, job.item.rid)) as stream:
+        async for prog in stream:
+            if not prog.last.new_token_ids and not prog.finished:
+                continue
+            meta = meta_info(job, prog, final=prog.finished)
+            if prog.finished and job.item.return_logprob:
+                await _add_logprobs(state, job, prog, meta)
+            yield {"text": _text(job, prog), "output_ids": list(prog.output_ids),
+                   "meta_info": meta, **index}
+
+
+def sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+async def _events(first: dict | None, chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+    async with aclosing(chunks):
+        try:
+            if first is not None:
+                yield sse(first)
+            async for chunk in chunks:
+                yield sse(chunk)
+        except (APIError, EngineDeadError) as e:
+            yield sse({"error": {"message": str(e)}})
+    yield b"data: [DONE]\n\n"
+
+
+async def _items_stream(state: ServingState, jobs: list[Job]) -> AsyncIterator[dict]:
+    async with aclosing(merge([stream_job(state, j, True) for j in jobs])) as merged:
+        async for _, chunk in merged:
+            yield chunk
+
+
+async def generate(request: Request, state: ServingState):
+    req = await parse_body(request, GenerateRequest)
+    items, batched = normalize(req)
+    jobs = [prepare(state, it, batched) for it in items]
+    if req.stream:
+        if batched:
+            return StreamingResponse(_events(None, _items_stream(state, jobs)),
+                                     media_type="text/event-stream")
+        chunks = stream_job(state, jobs[0], False)
+        # the first chunk is awaited here so that a request the engine rejects is a 4xx
+        try:
+            first = await until_disconnect(request, chunks.__anext__())
+        except StopAsyncIteration:
+            first = None
+        except BaseException:
+            await chunks.aclose()
+            raise
+        return StreamingResponse(_events(first, chunks), media_type="text/event-stream")
+    if batched:
+        return JSONResponse(await until_disconnect(request, _run_batch(state, jobs)))
+    return JSONResponse(await until_disconnect(request, run_job(state, jobs[0])))
+
+
+async def _run_batch(state: ServingState, jobs: list[Job]) -> list[dict]:
+    """All jobs concurrently; the first error cancels (and so aborts) the others."""
+
+    async def one(job: Job) -> AsyncIterator[dict]:
+        yield await run_job(state, job)
+
+    results: list = [None] * len(jobs)
+    async with aclosing(merge([one(j) for j in jobs])) as merged:
+        async for i, res in merged:
+            results[i] = res
+    return results

@@ -1,0 +1,247 @@
+"""What both HTTP APIs share: the engine behind its async interface, a server-side tokenizer,
+prompt checks, per-request bookkeeping (latencies, SLO misses), stream fan-in and client
+disconnect handling."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from sloserve.runtime.async_engine import AsyncEngine
+from sloserve.runtime.engine import Engine, RequestOutput
+from sloserve.runtime.engine_setup import load_tokenizer, model_name
+from sloserve.runtime.request import InvalidRequest, SamplingParams, validate_prompt
+from sloserve.sglang_ext.errors import APIError, from_invalid
+from sloserve.sglang_ext.logprobs import PoolBusy, Scores, score_tokens
+from sloserve.sglang_ext.metrics import EngineSnapshot, ServerMetrics, take_snapshot
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+SCORE_WAIT_S = 30.0  # how long a scoring pass waits for free KV blocks before a 503
+
+
+@dataclass
+class Progress:
+    """A request's cumulative output, built from the engine's per-step deltas."""
+
+    rid: str
+    prompt_tokens: int
+    arrival: float = field(default_factory=time.perf_counter)
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    first_token: float | None = None
+    last: RequestOutput | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.last is not None and self.last.finished
+
+    @property
+    def e2e_latency(self) -> float:
+        return time.perf_counter() - self.arrival
+
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.new_text
+        self.output_ids.extend(out.new_token_ids)
+        if out.new_token_ids and self.first_token is None:
+            self.first_token = time.perf_counter()
+        self.last = out
+        if out.finished and out.finish_reason == "stop" and isinstance(out.matched_stop, str):
+            self.text = _trim_stop(self.text, out.matched_stop)
+
+
+def _trim_stop(text: str, stop: str) -> str:
+    """The engine trims a matched stop string from its text, but a part of it that an earlier
+    step already emitted stays in the deltas; cut it here (cumulative text is then exact)."""
+    i = text.find(stop)
+    if i >= 0:
+        return text[:i]
+    for n in range(min(len(stop) - 1, len(text)), 0, -1):
+        if text.endswith(stop[:n]):
+            return text[:-n]
+    return text
+
+
+class ServingState:
+    """One per server. Owns the AsyncEngine (its engine thread) and the metrics registry."""
+
+    def __init__(self, engine: Engine, served_model_name: str | None = None):
+        self.engine = engine
+        self.cfg = engine.cfg
+        self.aengine = AsyncEngine(engine)
+        # a tokenizer of our own: the engine thread detokenizes with the engine's
+        self.tokenizer = load_tokenizer(engine.parts.target_path)
+        self.model_path = engine.parts.target_path
+        self.model_name = served_model_name or model_name(self.model_path)
+        self.vocab_size = engine.parts.target.cfg.vocab_size
+        self.max_context = engine.max_context
+        self.metrics = ServerMetrics()
+        self.started = time.time()
+
+    # ----- prompts
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def prompt_ids(self, prompt: str | list[int], field_name: str = "text") -> list[int]:
+        """Token ids of a prompt; 400 when empty, out of vocabulary or too long."""
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise APIError.bad(field_name, "is empty")
+            ids = self.encode(prompt)
+        else:
+            ids = list(prompt)
+        try:
+            validate_prompt(ids, self.vocab_size, self.max_context)
+        except InvalidRequest as e:
+            name = field_name if e.field == "prompt" else e.field
+            raise APIError.bad(name, str(e).split(": ", 1)[1]) from None
+        alloc = self.engine.scheduler.alloc  # immutable sizes only; same check as the engine
+        if alloc.blocks_for(len(ids) + 1 + self.cfg.k_max) > alloc.num_blocks:
+            raise APIError.bad(field_name, f"{len(ids)} tokens do not fit the KV cache "
+                               f"({self.cfg.kv_cache_tokens} tokens)")
+        return ids
+
+    def default_max_tokens(self, prompt_len: int) -> int:
+        return max(1, self.max_context - prompt_len)
+
+    # ----- engine access
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """fn(engine) on the engine thread, between steps."""
+        return await asyncio.wrap_future(self.aengine.call(fn))
+
+    async def snapshot(self) -> EngineSnapshot:
+        return await self.call(take_snapshot)
+
+    async def score(self, ids: list[int], start: int, top_k: int) -> Scores:
+        """Target-model logprobs of ids[start:] (see logprobs.py); waits for free KV blocks."""
+        deadline = time.monotonic() + SCORE_WAIT_S
+        while True:
+            try:
+                return await self.call(lambda e: score_tokens(e, ids, start, top_k))
+            except PoolBusy as e:
+                if time.monotonic() > deadline:
+                    raise APIError(503, f"KV cache busy, cannot score the prompt now: {e}") from e
+                await asyncio.sleep(0.05)
+
+    async def run(self, ids: list[int], params: SamplingParams, rid: str | None
+                  ) -> AsyncIterator[Progress]:
+        """Submit one request; yields its Progress after every engine step that touched it.
+        Raises APIError (400) before the first yield when the engine rejects the request.
+        Leaving early (client gone, cancellation) aborts it and frees its KV blocks."""
+        prog = Progress(rid=rid or "", prompt_tokens=len(ids))
+        gen = self.aengine.generate(ids, params, rid)
+        try:
+            async for out in gen:
+                prog.rid = out.rid
+                prog.add(out)
+                if out.finished:
+                    self._observe(prog, params)
+                yield prog
+        except InvalidRequest as e:
+            raise from_invalid(e) from None
+        finally:
+            await gen.aclose()  # aborts the request if it has not finished
+
+    def _observe(self, prog: Progress, params: SamplingParams) -> None:
+        last = prog.last
+        if last is None or last.finish_reason == "abort":
+            return
+        ttft = None if prog.first_token is None else prog.first_token - prog.arrival
+        if ttft is not None:
+            self.metrics.ttft.observe(ttft)
+        self.metrics.observe_finished(
+            ttft=ttft, e2e=prog.e2e_latency, completion_tokens=last.completion_tokens,
+            ttft_slo=params.ttft_slo or self.cfg.ttft_slo,
+            tpot_slo=params.tpot_slo or self.cfg.tpot_slo,
+        )
+
+    async def abort(self, rid: str) -> bool:
+        """Abort a live request by id; False if none is live."""
+        live = await self.call(lambda e: rid in e.requests)
+        if live:
+            self.aengine.abort(rid)
+        return live
+
+    async def abort_all(self) -> int:
+        rids = await self.call(lambda e: list(e.requests))
+        for rid in rids:
+            self.aengine.abort(rid)
+        return len(rids)
+
+    def shutdown(self) -> None:
+        self.aengine.shutdown()
+
+
+async def last_of(agen: AsyncIterator[T]) -> T:
+    """Drain an async iterator; its last item."""
+    last = None
+    async for x in agen:
+        last = x
+    if last is None:
+        raise RuntimeError("stream ended without output")
+    return last
+
+
+async def merge(gens: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Interleave several async iterators as (index, item), in arrival order. An exception in
+    one is raised here; leaving early cancels (and so closes) all of them."""
+    q: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, g: AsyncIterator[T]) -> None:
+        try:
+            async for x in g:
+                await q.put((i, x))
+        except Exception as e:  # forwarded to the consumer
+            await q.put((i, e))
+            return
+        await q.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, x = await q.get()
+            if x is done:
+                remaining -= 1
+            elif isinstance(x, BaseException):
+                raise x
+            else:
+                yield i, x
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work` unless the client disconnects first; then cancel it (which aborts its
+    engine requests) and raise APIError(499). Used for non-streaming responses;
+    streaming responses are cancelled by Starlette when the client goes away."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.create_task(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the handler itself is cancelled (shutdown)
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise APIError(499, "client disconnected")  # nobody reads it
+    return task.result()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message: dict[str, Any] = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

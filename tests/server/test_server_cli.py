@@ -1,0 +1,67 @@
+"""`python -m sloserve.launch` options: SLO durations, errors naming the option, one frozen
+EngineConfig built from the command line."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from sloserve.launch import build_parser, config_from_args, duration
+
+
+@pytest.mark.parametrize("text,seconds", [("30ms", 0.03), ("0.03s", 0.03), ("30", 0.03),
+                                          ("1.5s", 1.5), (" 250ms ", 0.25), (".5s", 0.5)])
+def test_duration(text, seconds):
+    assert duration(text) == pytest.approx(seconds)
+
+
+def parse(argv: list[str]):
+    parser = build_parser()
+    return config_from_args(parser, parser.parse_args(argv))
+
+
+BAD = [
+    (["--tpot-slo", "30us"], "--tpot-slo"), (["--tpot-slo", "fast"], "--tpot-slo"),
+    (["--ttft-slo", "-1s"], "--ttft-slo"), (["--ttft-slo", "0"], "--ttft-slo"),
+    (["--spec-policy", "magic"], "--spec-policy"), (["--spec-policy", "fixed:x"], "--spec-policy"),
+    (["--k-max", "99"], "--k-max"), (["--k-max", "two"], "--k-max"),
+    (["--max-running-requests", "0"], "--max-running-requests"),
+    (["--kv-cache-tokens", "-5"], "--kv-cache-tokens"), (["--port", "70000"], "--port"),
+    (["--model-path", "/no/such/dir"], "--model-path"),
+    (["--drafter", "ngram", "--draft-model-path", "."], "--draft-model-path"),
+    (["--log-level", "loud"], "--log-level"), (["--drafter", "oracle"], "--drafter"),
+]
+
+
+@pytest.mark.parametrize("argv,option", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_values_name_the_option(argv, option, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse(argv)
+    assert e.value.code == 2
+    assert f"argument {option}" in capsys.readouterr().err
+
+
+def test_config_from_cli_is_built_once_and_frozen():
+    cfg = parse(["--tpot-slo", "30ms", "--ttft-slo", "0.5s", "--spec-policy", "fixed:3",
+                 "--k-max", "4", "--max-running-requests", "8", "--kv-cache-tokens", "4096"])
+    assert (cfg.tpot_slo, cfg.ttft_slo, cfg.spec_policy, cfg.k_max) == (0.03, 0.5, "fixed:3", 4)
+    assert cfg.scheduler.max_running_requests == 8 and cfg.kv_cache_tokens == 4096
+    assert cfg.model_path is None and cfg.drafter == "model"  # the built-in pair
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.k_max = 2
+    default = parse([])
+    assert default.spec_policy == "specserve" and default.tpot_slo is None
+    assert parse(["--drafter", "ngram"]).drafter == "ngram"
+
+
+def test_help_documents_every_option():
+    out = subprocess.run([sys.executable, "-m", "sloserve.launch", "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    for action in build_parser()._actions:
+        for opt in action.option_strings:
+            assert opt in out.stdout
+        assert action.help, action.option_strings

@@ -1,0 +1,103 @@
+"""Acceptance 3: bad input of every kind gets a 4xx whose message names the problem, and the
+server then serves a normal request correctly."""
+
+from __future__ import annotations
+
+import pytest
+
+OK_SP = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+LONG = [7] * 1100  # the tiny pair's context window is 1024
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+# (name, method/path, body (dict, or raw bytes), expected status, words the message must hold)
+CASES = [
+    ("malformed JSON", "/generate", b'{"text": "hi", ', 400, ["malformed JSON"]),
+    ("empty body", "/generate", b"", 400, ["empty request body"]),
+    ("not an object", "/generate", b'["hi"]', 400, ["JSON object"]),
+    ("no prompt", "/generate", {"sampling_params": OK_SP}, 400, ["text", "input_ids"]),
+    ("text and input_ids", "/generate", {"text": "a", "input_ids": [1]}, 400,
+     ["exactly one of text or input_ids"]),
+    ("text wrong type", "/generate", {"text": 5}, 400, ["text"]),
+    ("empty text", "/generate", {"text": "", "sampling_params": OK_SP}, 400, ["text", "empty"]),
+    ("empty input_ids", "/generate", {"input_ids": []}, 400, ["input_ids", "empty"]),
+    ("token outside vocab", "/generate", {"input_ids": [1, 10**6]}, 400,
+     ["input_ids", "vocabulary"]),
+    ("prompt too long", "/generate", {"input_ids": LONG}, 400, ["1100 tokens", "context"]),
+    ("unknown sampling key", "/generate", {"text": "a", "sampling_params": {"temprature": 1}},
+     400, ["sampling_params.temprature", "unknown parameter"]),
+    ("unknown top-level key", "/generate", {"text": "a", "prompt": "b"}, 400,
+     ["prompt", "unknown parameter"]),
+    ("max_new_tokens negative", "/generate", {"text": "a", "sampling_params": {
+        "max_new_tokens": -1}}, 400, ["max_new_tokens", ">= 0"]),
+    ("max_new_tokens wrong type", "/generate", {"text": "a", "sampling_params": {
+        "max_new_tokens": "ten"}}, 400, ["max_new_tokens", "integer"]),
+    ("temperature negative", "/generate", {"text": "a", "sampling_params": {
+        "temperature": -0.5}}, 400, ["temperature", ">= 0"]),
+    ("top_p out of range", "/generate", {"text": "a", "sampling_params": {"top_p": 1.5}}, 400,
+     ["top_p"]),
+    ("top_k below -1", "/generate", {"text": "a", "sampling_params": {"top_k": -2}}, 400,
+     ["top_k"]),
+    ("stop wrong type", "/generate", {"text": "a", "sampling_params": {"stop": 3}}, 400,
+     ["sampling_params.stop"]),
+    ("n > 1", "/generate", {"text": "a", "sampling_params": {"n": 2}}, 400,
+     ["sampling_params.n", "n=1"]),
+    ("regex", "/generate", {"text": "a", "sampling_params": {"regex": "[ab]+"}}, 400,
+     ["regex", "not supported"]),
+    ("json_schema", "/generate", {"text": "a", "sampling_params": {"json_schema": "{}"}}, 400,
+     ["json_schema", "not supported"]),
+    ("tpot_slo negative", "/generate", {"text": "a", "sampling_params": {"tpot_slo": -0.03}},
+     400, ["tpot_slo", "positive"]),
+    ("logprob_start_len beyond prompt", "/generate", {"input_ids": [1, 2, 3],
+     "return_logprob": True, "logprob_start_len": 9}, 400, ["logprob_start_len"]),
+    ("batch rid length", "/generate", {"text": ["a", "b"], "rid": ["x"]}, 400, ["rid"]),
+    ("image input", "/generate", {"text": "a", "image_data": "x.png"}, 400, ["image_data"]),
+    ("abort without rid", "/abort_request", {}, 400, ["rid"]),
+    ("completions n", "/v1/completions", {"model": "m", "prompt": "a", "n": 3}, 400,
+     ["n", "n=1"]),
+    ("completions max_tokens 0", "/v1/completions", {"model": "m", "prompt": "a",
+     "max_tokens": 0}, 400, ["max_tokens"]),
+    ("completions no prompt", "/v1/completions", {"model": "m"}, 400, ["prompt"]),
+    ("chat no messages", "/v1/chat/completions", {"model": "m", "messages": []}, 400,
+     ["messages"]),
+    ("chat bad role", "/v1/chat/completions", {**CHAT, "messages": [{"role": "robot",
+     "content": "x"}]}, 400, ["role"]),
+    ("chat unknown key", "/v1/chat/completions", {**CHAT, "frobnicate": True}, 400,
+     ["frobnicate", "unknown parameter"]),
+    ("chat tools", "/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400,
+     ["tools", "not supported"]),
+    ("chat malformed JSON", "/v1/chat/completions", b"{oops", 400, ["malformed JSON"]),
+    ("unknown route", "/no/such/route", {}, 404, ["Not Found", "/no/such/route"]),
+]
+
+
+def _message(resp) -> str:
+    body = resp.json()
+    return body["error"]["message"] if "error" in body else body["message"]
+
+
+@pytest.mark.parametrize("name,path,body,status,words", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_a_clear_4xx(client, name, path, body, status, words):
+    if isinstance(body, bytes):
+        r = client.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = client.post(path, json=body)
+    assert r.status_code == status, r.text
+    msg = _message(r)
+    for w in words:
+        assert w in msg, f"{name}: {w!r} not in {msg!r}"
+
+
+def test_server_still_serves_after_bad_input(client):
+    assert len(CASES) >= 15
+    for _, path, body, _, _ in CASES:  # all of them again, back to back
+        if isinstance(body, bytes):
+            client.post(path, content=body)
+        else:
+            client.post(path, json=body)
+    r = client.post("/generate", json={"input_ids": [11, 57, 300, 42], "sampling_params": OK_SP})
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["completion_tokens"] == 4
+    r = client.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] >= 1
+    assert client.get("/server_info").json()["kv_pool"]["used_blocks"] == 0
