@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from sloserve.runtime.attention.base import AttentionBackend, register_backend
-from sloserve.runtime.batch import ForwardBatch, slots_for
+from sloserve.runtime.batch import ForwardBatch
 
 SMALL_Q = 16  # segments with at most this many query tokens join the padded batch
 
@@ -50,33 +50,23 @@ class TorchAttnMeta:
 
 
 def _plan_small(meta: TorchAttnMeta, batch: ForwardBatch, small: list[int]) -> None:
-    segs = [batch.segments[i] for i in small]
-    bs = len(segs)
-    max_q = max(s.q_len for s in segs)
-    max_kv = max(s.kv_len for s in segs)
-    T = batch.num_tokens
-    q_rows = torch.full((bs, max_q), T, dtype=torch.long)
-    kv = torch.zeros((bs, max_kv), dtype=torch.long)
-    kv_len = torch.tensor([s.kv_len for s in segs])
-    start = torch.tensor([s.start for s in segs])
-    q_len = torch.tensor([s.q_len for s in segs])
-    pad_rows, rows = [], []
-    for b, (i, s) in enumerate(zip(small, segs)):
-        t0 = batch.qo_indptr[i]
-        q_rows[b, : s.q_len] = torch.arange(t0, t0 + s.q_len)
-        kv[b, : s.kv_len] = torch.tensor(slots_for(s.block_ids, 0, s.kv_len, batch.block_size))
-        pad_rows.extend(range(b * max_q, b * max_q + s.q_len))
-        rows.extend(range(t0, t0 + s.q_len))
+    rows = torch.tensor(small, dtype=torch.long)
+    q_len, start = batch.q_lens[rows], batch.starts[rows]
+    kv_len = start + q_len
+    bs, max_q, max_kv = len(small), int(q_len.max()), int(kv_len.max())
+    qo = torch.tensor(batch.qo_indptr[:-1], dtype=torch.long)[rows]
+    ar_q = torch.arange(max_q)
+    valid_q = ar_q[None, :] < q_len[:, None]  # [Bs, max_q]
+    q_rows = torch.where(valid_q, qo[:, None] + ar_q[None, :], batch.num_tokens)  # pad -> zero row
     key_pos = torch.arange(max_kv)
-    q_pos = start[:, None] + torch.arange(max_q)[None, :]  # [Bs, max_q]
-    mask = key_pos[None, None, :] <= q_pos[:, :, None]  # causal
-    mask &= key_pos[None, None, :] < kv_len[:, None, None]
-    pad_q = torch.arange(max_q)[None, :] >= q_len[:, None]  # padded query rows: see key 0
-    mask[pad_q] = key_pos == 0
-    meta.q_rows, meta.kv_slots = q_rows, kv.view(-1)
+    q_pos = start[:, None] + ar_q[None, :]  # [Bs, max_q]
+    mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < kv_len[:, None, None])
+    mask = torch.where(valid_q[:, :, None], mask, key_pos[None, None, :] == 0)  # pad rows: key 0
+    meta.q_rows = q_rows
+    meta.kv_slots = batch.kv_slots(rows, max_kv).reshape(-1)
     meta.mask = mask[:, None]
-    meta.out_pad_rows = torch.tensor(pad_rows, dtype=torch.long)
-    meta.out_rows = torch.tensor(rows, dtype=torch.long)
+    meta.out_pad_rows = torch.nonzero(valid_q.reshape(-1)).squeeze(1)
+    meta.out_rows = q_rows.reshape(-1)[meta.out_pad_rows]
     meta.shape = (bs, max_q, max_kv)
 
 
@@ -91,7 +81,7 @@ class TorchAttentionBackend(AttentionBackend):
         for i, s in enumerate(batch.segments):
             if s.q_len <= SMALL_Q:
                 continue
-            slots = torch.tensor(slots_for(s.block_ids, 0, s.kv_len, batch.block_size))
+            slots = batch.kv_slots(torch.tensor([i]), s.kv_len)[0]
             mask = None
             if s.start > 0:
                 key_pos = torch.arange(s.kv_len)

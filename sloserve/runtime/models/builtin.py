@@ -5,11 +5,11 @@ tokenizer files) under the cache, so transformers and sloserve load them alike.
 
 How the pair is built (its text is NOT meaningful; it exists to have a realistic cost shape
 and a realistic draft/target agreement):
-- target: a random Llama (hidden 512, 16 layers, GQA 8/2 heads, SwiGLU 1280, ~46M params).
+- target: a random Llama (hidden 384, 16 layers, GQA 6/2 heads, SwiGLU 1024, ~27M params).
   Layer 0 writes into the residual stream at full scale; layers 1..15 write at scale ALPHA.
   The untied LM head has scale BETA, which sets how peaked the next-token distributions are.
-- draft: the target's embedding, layer 0, final norm and LM head (an early-exit model, ~4M
-  params, 1 layer), so it is ~9x cheaper per forward. It agrees with the target when the
+- draft: the target's embedding, layer 0, final norm and LM head (an early-exit model, ~2.4M
+  params, 1 layer), so it is ~10x cheaper per forward. It agrees with the target when the
   deeper layers' small contributions do not flip the argmax, which is likelier when the
   draft is confident: the draft's confidence predicts acceptance.
 ALPHA and BETA were chosen by measurement so greedy acceptance is ~0.7 on ordinary prompts;
@@ -28,13 +28,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-BUILTIN_VERSION = "v1"
+BUILTIN_VERSION = "v2"  # bump whenever the construction changes: caches are keyed by it
 SEED = 20261121
 ALPHA = 0.075  # residual write scale of target layers 1..15
 BETA = 4.0  # LM head scale
 TARGET_SHAPE = dict(
-    hidden_size=512, intermediate_size=1280, num_hidden_layers=16,
-    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
+    hidden_size=384, intermediate_size=1024, num_hidden_layers=16,
+    num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=4096,
 )
 DRAFT_LAYERS = 1
 VOCAB_TARGET = 2048

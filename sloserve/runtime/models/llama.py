@@ -45,10 +45,13 @@ class Rotary(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [T, 1, D/2] for the batch, computed once per forward, used by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [T, heads, D]; rotate-half convention (first half pairs with second half)
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
@@ -68,15 +71,15 @@ class DecoderLayer(nn.Module):
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, h, batch: ForwardBatch, rotary: Rotary, kv: KVStorage, attn, scale):
+    def forward(self, h, batch: ForwardBatch, rope: tuple, kv: KVStorage, attn, scale):
         # h: [T, hidden]
         x = F.rms_norm(h, (h.shape[-1],), self.input_norm, self.eps)
         qkv = self.qkv(x)
         T = qkv.shape[0]
-        q = qkv[:, : self.n_q].view(T, self.heads, self.head_dim)
-        k = qkv[:, self.n_q : self.n_q + self.n_kv].view(T, self.kv_heads, self.head_dim)
+        # rotate q and k heads together: [T, heads + kv_heads, D]
+        qk = Rotary.apply(qkv[:, : self.n_q + self.n_kv].view(T, -1, self.head_dim), *rope)
+        q, k = qk[:, : self.heads], qk[:, self.heads :]
         v = qkv[:, self.n_q + self.n_kv :].view(T, self.kv_heads, self.head_dim)
-        q, k = rotary(q, batch.positions), rotary(k, batch.positions)
         kv.write(self.idx, batch.slot_mapping, k, v)
         o = attn.forward(q, kv.k[self.idx], kv.v[self.idx], batch.attn, scale)
         h = h + self.o_proj(o.reshape(T, self.n_q))
@@ -101,8 +104,9 @@ class LlamaModel(nn.Module):
     def forward(self, batch: ForwardBatch, kv: KVStorage, attn: AttentionBackend) -> torch.Tensor:
         """Runs the batch, writes its K/V, returns logits [L, vocab] for batch.logits_indices."""
         h = self.embed(batch.input_ids)
+        rope = self.rotary.tables(batch.positions)
         for layer in self.layers:
-            h = layer(h, batch, self.rotary, kv, attn, self.scale)
+            h = layer(h, batch, rope, kv, attn, self.scale)
         h = h.index_select(0, batch.logits_indices)
         h = F.rms_norm(h, (h.shape[-1],), self.norm, self.cfg.rms_norm_eps)
         return self.lm_head(h).float()
