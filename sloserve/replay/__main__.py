@@ -122,6 +122,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--engine-slo", choices=["on", "off"], default="on",
                    help="give the engine the base TPOT SLO (--tpot-slo-ms) as its default")
 
+    g = p.add_argument_group("simulator (--target sim; also uses the in-process engine options)")
+    g.add_argument("--profile", default=None, help="cost profile file (e.g. configs/profiles/"
+                                                   "gpu/*.json or one the profiler wrote)")
+    g.add_argument("--acceptance", default=None,
+                   help="acceptance file: calibration bins (out/bench_builtin_pair.json), a "
+                        "sloserve.sim.acceptance file or logged pairs (default: the built-in "
+                        "pair's calibration)")
+    g.add_argument("--max-context", type=int, default=None,
+                   help="simulated context window: longer prompts fail, outputs stop there")
+    g.add_argument("--sim-workers", type=int, default=1,
+                   help="simulate the policies in this many processes (results identical)")
+
     g = p.add_argument_group("output")
     g.add_argument("--out", type=Path, default=Path("runs/replay"), help="report directory")
     g.add_argument("--no-plots", action="store_true")
@@ -155,6 +167,10 @@ def base_trace(args: argparse.Namespace) -> tuple[str, list[TraceRequest]]:
 
 
 def prompt_source(args: argparse.Namespace) -> PromptSource:
+    if args.prompts == "synthetic-ids" and args.target == "sim":  # the sim needs lengths only
+        from sloserve.sim.target import LengthOnlySource
+
+        return LengthOnlySource()
     if args.prompts == "synthetic-ids":
         block = args.prefix_block_tokens or max(1, round(512 * args.input_scale))
         return SyntheticIdsSource(args.vocab_size, args.id_low, block, args.seed)
@@ -238,18 +254,27 @@ def main(argv: list[str] | None = None) -> int:
         targets: dict[str, Target] = {
             p: make_target(args.target, p, url=urls[p], temperature=args.temperature,
                            timeout_s=args.timeout_s, max_concurrency=args.max_concurrency,
-                           engine_config=engine_config(args))
+                           engine_config=engine_config(args), profile=args.profile,
+                           acceptance=args.acceptance, sim_seed=args.seed,
+                           max_context=args.max_context)
             for p in args.policies
         }
     except (NotImplementedError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.target == "sim" and args.sim_workers > 1:
+        from sloserve.sim.pool import prerun
+
+        prerun(targets, [w.requests for w in cells_in], args.sim_workers)
     cells = []
     for w in cells_in:
         runs = run_policies(w.requests, targets, show_progress=not args.no_progress)
         cells.append(Cell(w.trace_name, w.load, tuple(runs), w.scaling, w.summary()))
     meta = {"argv": sys.argv if argv is None else argv, "created_unix": time.time(),
             "target": args.target}
+    if args.target == "sim":
+        meta["sim"] = {"profile": args.profile, "acceptance": args.acceptance or "builtin-pair",
+                       "seed": args.seed, "max_context": args.max_context}
     files = write_report(args.out, cells, slo, meta=meta, plots=not args.no_plots,
                          raw_records=not args.no_records)
     print(files.markdown.read_text())

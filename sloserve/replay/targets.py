@@ -9,6 +9,8 @@ order of the input list. Kinds:
   policy needs its own server (URL).
 - "inprocess": the sloserve engine in this process (inprocess_target.py); one model pair is
   loaded and shared, each policy gets its own engine and policy object.
+- "sim": the event-clock simulator (sloserve/sim): the engine's scheduler and policies with
+  forwards priced by a cost profile and acceptance drawn from a stochastic model.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Protocol
 
 from sloserve.replay.records import ReplayRequest, RequestRecord, SpecStats
 
-TARGET_KINDS = ("http", "inprocess")
+TARGET_KINDS = ("http", "inprocess", "sim")
 
 Progress = Callable[[RequestRecord], None]  # called once per finished request
 
@@ -47,11 +49,18 @@ def make_target(
     timeout_s: float | None = None,
     max_concurrency: int | None = None,
     engine_config=None,
+    profile: str | None = None,
+    acceptance: str | None = None,
+    sim_seed: int = 0,
+    max_context: int | None = None,
 ) -> Target:
     """Build the target that replays with `policy`.
 
     http: `url` is the server's base URL (the server must be running `policy`).
     inprocess: `engine_config` (an EngineConfig; its spec_policy is replaced by `policy`).
+    sim: `engine_config` as for inprocess, `profile` (a cost profile file, required),
+    `acceptance` (an acceptance file; default the built-in pair's), `sim_seed`,
+    `max_context` (the simulated target's context window; None = unlimited).
     """
     if kind == "http":
         from sloserve.replay.http_target import SGLangHTTPTarget
@@ -69,4 +78,14 @@ def make_target(
 
         cfg = dataclasses.replace(engine_config or EngineConfig(), spec_policy=policy)
         return InProcessTarget(cfg, temperature=temperature, timeout_s=timeout_s)
+    if kind == "sim":
+        import dataclasses
+
+        from sloserve.runtime.config import EngineConfig
+        from sloserve.sim.target import make_sim_target
+
+        if not profile:
+            raise ValueError(f"the sim target needs a cost profile (--profile) (policy {policy!r})")
+        cfg = dataclasses.replace(engine_config or EngineConfig(), spec_policy=policy)
+        return make_sim_target(cfg, profile, acceptance, seed=sim_seed, max_context=max_context)
     raise ValueError(f"unknown target kind {kind!r}; expected one of {TARGET_KINDS}")

@@ -1,0 +1,69 @@
+"""The simulator's drafter: the `Drafter` interface of sloserve.runtime.speculative without a
+model. `run_drafting` calls it exactly as it calls the model drafter.
+
+Each call is one draft forward over the requests still drafting. It proposes the dummy token
+0 with the confidence the acceptance process drew for that output position, advances
+`req.draft_kv_len` as the model drafter's segments would (first forward of a step: catch up
+on every token the draft cache has not seen; later forwards: the previous draft token), and
+adds the forward's cost-model time to `self.time`:
+
+    T_fwd(draft; N_ctx = sum_r (draft_kv_len_r + q_r), N_q = sum_r q_r)
+
+with q_r the query tokens of request r in this forward (N_ctx counts the KV tokens
+attended, the query tokens included, as the profiler measures it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from sloserve.estimator.cost_model import ForwardCost
+from sloserve.runtime.request import Request
+
+DUMMY_TOKEN = 0
+
+
+class SimDrafter:
+    """Stochastic stand-in for `Drafter`: same `.kind`, `.step(reqs, drafts)`, `.release`."""
+
+    def __init__(self, cost: ForwardCost, conf: Mapping[str, list[float]], kind: str = "model"):
+        if kind not in ("model", "ngram"):
+            raise ValueError(f"drafter kind must be model or ngram, got {kind!r}")
+        self.cost = cost
+        self.conf = conf  # rid -> draft confidence per output position (owned by the runner)
+        self._kind = kind
+        self.time = 0.0  # simulated seconds of draft forwards since the last reset
+        self.forwards = 0
+
+    @property
+    def kind(self) -> str:
+        return self._kind
+
+    def release(self, rid: str) -> None:
+        """Nothing to drop: the runner owns the draws."""
+
+    def step(self, reqs: list[Request], drafts: list[list[int]]) -> list[tuple[int, float, None]]:
+        """One draft token per request: (token, confidence, None)."""
+        conf = self.conf
+        if self._kind != "model":  # n-gram lookups: no forward, no draft KV
+            return [(DUMMY_TOKEN, conf[r.rid][len(r.output_ids) + len(d)], None)
+                    for r, d in zip(reqs, drafts)]
+        out = []
+        n_ctx = n_q = 0
+        for req, d in zip(reqs, drafts):
+            n_out, n_d = len(req.output_ids), len(d)
+            # d holds this step's drafts so far: the proposal is for output position
+            # n_out + n_d (the pending last output token is at position n_out - 1)
+            out.append((DUMMY_TOKEN, conf[req.rid][n_out + n_d], None))
+            if n_d:  # feed the previous draft token
+                kv = req.draft_kv_len + 1
+                n_q += 1
+            else:  # first forward of the step: catch up on every token not yet seen
+                kv = len(req.prompt_ids) + n_out
+                n_q += kv - req.draft_kv_len
+            req.draft_kv_len = kv
+            n_ctx += kv  # attended KV tokens: the cached ones plus this forward's queries
+        c = self.cost
+        self.time += c.a * n_ctx + c.b * n_q + c.c
+        self.forwards += 1
+        return out
