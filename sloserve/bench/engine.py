@@ -3,6 +3,12 @@ side by side in one process, alternating runs, medians reported.
 
     python -m sloserve.bench.engine [--batches 1,8,32] [--new-tokens 128] [--repeats 3]
 
+Two workloads per batch size: "equal" (every prompt --prompt-len tokens, every request
+--new-tokens) and "mixed" (prompt lengths uniform in [16, 4 * prompt-len], output lengths
+uniform in [new-tokens / 4, new-tokens], seeded). transformers' generate pads the prompts
+(left) and decodes max(output) tokens for every row; tokens/s counts only the requested
+tokens on both sides.
+
 Prints a table and writes JSON (default out/bench_engine.json).
 """
 
@@ -21,28 +27,35 @@ from sloserve.runtime.request import SamplingParams
 from sloserve.runtime.scheduler import SchedulerConfig
 
 
-def _prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
+def workload(batch: int, prompt_len: int, new_tokens: int, vocab: int, mixed: bool):
+    """(prompts, output lengths) for one batch, deterministic."""
     g = torch.Generator().manual_seed(batch)
-    return torch.randint(10, vocab, (batch, length), generator=g).tolist()
+    if not mixed:
+        return torch.randint(10, vocab, (batch, prompt_len), generator=g).tolist(), [new_tokens] * batch
+    lens = torch.randint(16, 4 * prompt_len + 1, (batch,), generator=g).tolist()
+    outs = torch.randint(max(1, new_tokens // 4), new_tokens + 1, (batch,), generator=g).tolist()
+    return [torch.randint(10, vocab, (n,), generator=g).tolist() for n in lens], outs
 
 
-def run_sloserve(eng: Engine, prompts, new_tokens: int) -> float:
-    sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+def run_sloserve(eng: Engine, prompts, outs: list[int]) -> float:
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in outs]
     t = time.perf_counter()
-    out = eng.generate(prompts, sp)
+    res = eng.generate(prompts, params)
     dt = time.perf_counter() - t
-    assert all(o["completion_tokens"] == new_tokens for o in out)
+    assert [o["completion_tokens"] for o in res] == outs
     return dt
 
 
-def run_hf(model, prompts, new_tokens: int) -> float:
-    ids = torch.tensor(prompts)
+def run_hf(model, prompts, outs: list[int]) -> float:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.inference_mode():
         t = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max(outs),
                              do_sample=False, pad_token_id=0)
         dt = time.perf_counter() - t
-    assert out.shape[1] == ids.shape[1] + new_tokens
+    assert out.shape[1] == width + max(outs)
     return dt
 
 
@@ -62,21 +75,23 @@ def main(argv=None) -> dict:
     hf.generation_config.eos_token_id = None
     vocab = eng.parts.target.cfg.vocab_size
     rows = []
-    for b in [int(x) for x in args.batches.split(",")]:
-        prompts = _prompts(b, args.prompt_len, vocab)
-        run_sloserve(eng, prompts[:1], 4)  # warm-up both
-        run_hf(hf, prompts[:1], 4)
-        ours, theirs = [], []
-        for _ in range(args.repeats):  # alternate so machine noise hits both alike
-            ours.append(run_sloserve(eng, prompts, args.new_tokens))
-            theirs.append(run_hf(hf, prompts, args.new_tokens))
-        n = b * args.new_tokens
-        o, h = n / statistics.median(ours), n / statistics.median(theirs)
-        rows.append({"batch": b, "sloserve_tok_s": o, "transformers_tok_s": h, "speedup": o / h,
-                     "sloserve_s": ours, "transformers_s": theirs})
+    for mixed in (False, True):
+        for b in [int(x) for x in args.batches.split(",")]:
+            prompts, outs = workload(b, args.prompt_len, args.new_tokens, vocab, mixed)
+            run_sloserve(eng, prompts[:1], [4])  # warm-up both
+            run_hf(hf, prompts[:1], [4])
+            ours, theirs = [], []
+            for _ in range(args.repeats):  # alternate so machine noise hits both alike
+                ours.append(run_sloserve(eng, prompts, outs))
+                theirs.append(run_hf(hf, prompts, outs))
+            n = sum(outs)
+            o, h = n / statistics.median(ours), n / statistics.median(theirs)
+            rows.append({"workload": "mixed" if mixed else "equal", "batch": b,
+                         "sloserve_tok_s": o, "transformers_tok_s": h, "speedup": o / h,
+                         "sloserve_s": ours, "transformers_s": theirs})
     print_table(
-        ["batch", "sloserve tok/s", "transformers tok/s", "speedup"],
-        [[r["batch"], f"{r['sloserve_tok_s']:.1f}", f"{r['transformers_tok_s']:.1f}",
+        ["workload", "batch", "sloserve tok/s", "transformers tok/s", "speedup"],
+        [[r["workload"], r["batch"], f"{r['sloserve_tok_s']:.1f}", f"{r['transformers_tok_s']:.1f}",
           f"{r['speedup']:.2f}x"] for r in rows],
     )
     result = {"benchmark": "engine", "args": vars(args), "machine": machine_info(), "rows": rows}

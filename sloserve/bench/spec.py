@@ -4,8 +4,8 @@ at several batch sizes, in one process (models loaded once, policies swapped).
     python -m sloserve.bench.spec --policies ar,fixed:1,fixed:3,fixed:5 --batches 1,4,16,32
     python -m sloserve.bench.spec --policies ar,fixed:3,specserve --batches 8 --tpot-slo 45ms
 
-Batch b = b requests submitted together (ordinary prompts, greedy, ignore_eos, the same
-output length), run to completion; repeated `--repeats` times with the policies alternating,
+Batch b = b requests submitted together (ordinary prompts cut to --prompt-tokens, greedy,
+ignore_eos, the same output length), run to completion; repeated `--repeats` times with the policies alternating,
 medians reported. Per-token latency is each request's TPOT = (finish - first token) / (n - 1).
 Prints a table and writes JSON (default out/bench_spec.json).
 """
@@ -38,7 +38,7 @@ def parse_ms(text: str) -> float:
     return float(t) / 1000
 
 
-def run_once(eng: Engine, prompts: list[str], new_tokens: int) -> dict:
+def run_once(eng: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
     eng.stats = eng.runner.stats = EngineStats(k_max=eng.cfg.k_max)
     sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
@@ -82,6 +82,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--k-max", type=int, default=8)
     ap.add_argument("--tpot-slo", type=parse_ms, default=None, help="e.g. 45ms")
     ap.add_argument("--drafter", default="model", choices=["model", "ngram"])
+    ap.add_argument("--prompt-tokens", type=int, default=64,
+                    help="truncate each prompt to this many tokens (0: whole prompts)")
     ap.add_argument("--out", default="out/bench_spec.json")
     args = ap.parse_args(argv)
     policies = args.policies.split(",")
@@ -96,7 +98,9 @@ def main(argv=None) -> dict:
         engines[name] = Engine(dataclasses.replace(base.cfg, spec_policy=name), parts=parts)
     rows = []
     for b in batches:
-        prompts = ordinary_prompts(b)
+        prompts = [base.encode(p) for p in ordinary_prompts(b)]
+        if args.prompt_tokens:
+            prompts = [p[: args.prompt_tokens] for p in prompts]
         for eng in engines.values():  # warm-up
             run_once(eng, prompts[:1], 4)
         runs: dict[str, list[dict]] = {p: [] for p in policies}

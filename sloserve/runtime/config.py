@@ -29,6 +29,7 @@ class EngineConfig:
     profile_path: str | None = None  # cost profile; None = look up configs/profiles, else default
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads (None = torch default)
+    cpu_packed_linear: bool = True  # oneDNN prepacked fp32 linears on CPU (see cpu_linear.py)
 
     @property
     def num_blocks(self) -> int:

@@ -17,6 +17,7 @@ from sloserve.runtime.kv_cache import BlockAllocator, KVStorage
 from sloserve.runtime.model_runner import ModelRunner
 from sloserve.runtime.models.builtin import ensure_builtin_pair
 from sloserve.runtime.models.config import ModelLoadError
+from sloserve.runtime.models.cpu_linear import pack_linears, packed_linear_available
 from sloserve.runtime.models.loader import load_model
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,10 @@ def build_parts(cfg: EngineConfig) -> EngineParts:
     tokenizer = load_tokenizer(target_path)
     target_model = load_model(target_path, dtype, device)
     draft_model = load_model(draft_path, dtype, device) if draft_path else None
+    if cfg.cpu_packed_linear and device == "cpu" and packed_linear_available():
+        for m in (target_model, draft_model):
+            if m is not None:
+                pack_linears(m)
     if draft_model is not None and draft_model.cfg.vocab_size != target_model.cfg.vocab_size:
         raise ModelLoadError(
             f"draft vocab {draft_model.cfg.vocab_size} != target vocab {target_model.cfg.vocab_size}"

@@ -12,6 +12,7 @@ from sloserve.runtime.batch import Segment
 from sloserve.runtime.engine_setup import build_parts  # noqa: F401  (registers backends)
 from sloserve.runtime.kv_cache import BlockAllocator, KVStorage
 from sloserve.runtime.model_runner import ModelRunner
+from sloserve.runtime.models.cpu_linear import pack_linears, packed_linear_available
 from sloserve.runtime.models.loader import load_model
 
 
@@ -40,12 +41,17 @@ def _qwen2():
     return m
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["F.linear", "onednn-packed"])
 @pytest.mark.parametrize("make", [_llama, _qwen2], ids=["llama3-rope-gqa", "qwen2-bias-tied"])
-def test_ragged_logits_match_transformers(make, tmp_path):
+def test_ragged_logits_match_transformers(make, packed, tmp_path):
     torch.manual_seed(0)
     ref = make().eval()
     ref.save_pretrained(tmp_path)
     ours = load_model(tmp_path)
+    if packed:
+        if not packed_linear_available():
+            pytest.skip("oneDNN packed linear not available in this torch build")
+        assert pack_linears(ours) > 0
     bs = 4
     alloc = BlockAllocator(128, bs)
     runner = ModelRunner(ours, KVStorage(ours.cfg, 128, bs, torch.float32, "cpu"),
