@@ -16,6 +16,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+import torch
+
+from sloserve.runtime.cpu_tuning import release_openmp_workers
 from sloserve.runtime.engine import Engine, RequestOutput
 from sloserve.runtime.request import SamplingParams
 
@@ -43,6 +46,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="sloserve-engine", daemon=True)
+        release_openmp_workers()  # the engine thread's OpenMP pool must be the only one
         self._thread.start()
 
     # ----- public API (any thread / the event loop)
@@ -122,6 +126,8 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         eng = self.engine
+        if eng.cfg.num_threads:  # OpenMP's thread count is per thread: set it here too
+            torch.set_num_threads(eng.cfg.num_threads)
         while not self._stop.is_set():
             try:
                 block = not eng.has_work

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from sloserve.runtime.config import EngineConfig, resolve
+from sloserve.runtime.cpu_tuning import tune_malloc
 from sloserve.runtime.engine_setup import EngineParts, build_parts
 from sloserve.runtime.request import (
     FinishReason,
@@ -53,6 +54,8 @@ class Engine:
         self.cfg = resolve(cfg or EngineConfig())
         if self.cfg.num_threads:
             torch.set_num_threads(self.cfg.num_threads)
+        if self.cfg.device == "cpu":
+            tune_malloc()  # before the models and the KV cache are allocated
         self.parts = parts or build_parts(self.cfg)
         self.tokenizer = self.parts.tokenizer
         self.stats = EngineStats(k_max=self.cfg.k_max)

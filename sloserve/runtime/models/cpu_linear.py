@@ -1,18 +1,17 @@
 """CPU fast path for linear layers: oneDNN weights prepacked once at load time.
 
 On this class of CPU, oneDNN's packed fp32 linear is 1.4-2.7x faster than MKL's F.linear for
-8-32 rows (measured: python -m sloserve.bench.engine), and about equal for 1-2 rows, where
-F.linear is kept. Same fp32 math; only the accumulation order differs (rounding-level).
+8-32 rows (measured: python -m sloserve.bench.engine), 2-4x faster for 2-4 rows and 1.0-1.3x
+for one row, so it is used for every row count. Same fp32 math; only the accumulation order
+differs (rounding-level).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 _PACK_ROWS = 32  # packing hint: the batch size the layout is tuned for (any size works)
-_SMALL = 2  # rows at or below which F.linear is as fast
 
 
 def packed_linear_available() -> bool:
@@ -27,7 +26,7 @@ def packed_linear_available() -> bool:
 class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        self.weight = linear.weight  # kept for small batches and for inspection
+        self.weight = linear.weight  # kept for inspection and state_dict()
         self.bias = linear.bias
         self.register_buffer(
             "packed", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), _PACK_ROWS),
@@ -35,8 +34,6 @@ class PackedLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= _SMALL:
-            return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
