@@ -59,7 +59,11 @@ class AsyncEngine:
         q: asyncio.Queue = asyncio.Queue()
         done: Future = Future()
         self._submit(_Add(prompt, params, rid, lambda o: loop.call_soon_threadsafe(q.put_nowait, o), done))
-        rid = await asyncio.wrap_future(done)
+        try:
+            rid = await asyncio.wrap_future(done)
+        except asyncio.CancelledError:  # the caller left before the engine took the request
+            done.add_done_callback(self._abort_when_added)
+            raise
         finished = False
         try:
             while True:
@@ -73,6 +77,10 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(rid)
+
+    def _abort_when_added(self, done: Future) -> None:
+        if not done.cancelled() and done.exception() is None and self._error is None:
+            self.abort(done.result())
 
     def abort(self, rid: str) -> None:
         self._submit(("abort", rid))
@@ -101,6 +109,8 @@ class AsyncEngine:
     def _handle(self, cmd) -> None:
         eng = self.engine
         if isinstance(cmd, _Add):
+            if not cmd.done.set_running_or_notify_cancel():  # its caller already left
+                return
             try:
                 req = eng.add_request(cmd.prompt, cmd.params, cmd.rid)
             except Exception as e:  # InvalidRequest and friends go back to the caller

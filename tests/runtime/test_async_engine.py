@@ -47,3 +47,64 @@ def test_streams_match_sync_and_cancel_frees_blocks(make_engine):
         assert idle == (False, 0)
     finally:
         aeng.shutdown()
+
+
+@pytest.mark.parametrize("when", ["before_taken", "while_adding"])
+def test_caller_leaving_before_the_engine_takes_the_request(make_engine, when):
+    """A caller cancelled between submitting and the engine taking the request (an HTTP
+    client that disconnects at once) must not kill the engine thread, and the request must
+    not run on with no one listening."""
+    import threading
+
+    eng = make_engine(spec_policy="ar")
+    aeng = AsyncEngine(eng)
+    gate, entered = threading.Event(), threading.Event()
+
+    def hold(e):  # keeps the engine thread busy between steps
+        entered.set()
+        gate.wait(10)
+
+    if when == "while_adding":  # the add is taken, then the caller leaves before the reply
+        real_add = eng.add_request
+
+        def slow_add(*args, **kwargs):
+            req = real_add(*args, **kwargs)
+            entered.set()
+            gate.wait(10)
+            return req
+
+        eng.add_request = slow_add
+    sp = SamplingParams(max_new_tokens=500, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        if when == "before_taken":
+            aeng.call(hold)
+            await asyncio.to_thread(entered.wait, 10)
+        task = asyncio.create_task(_drain(aeng.generate([5, 6, 7], sp)))
+        if when == "while_adding":
+            await asyncio.to_thread(entered.wait, 10)
+        else:
+            await asyncio.sleep(0.05)  # the add is queued behind `hold`
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gate.set()
+
+    try:
+        asyncio.run(main())
+        state = aeng.call(lambda e: (e.has_work, e.scheduler.alloc.num_used)).result(timeout=30)
+        assert aeng.alive
+        assert state == (False, 0)
+        # and it still serves
+        out = asyncio.run(_drain(aeng.generate([5, 6, 7], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))))
+        assert out == 4
+    finally:
+        gate.set()
+        aeng.shutdown()
+
+
+async def _drain(stream) -> int:
+    n = 0
+    async for out in stream:
+        n += len(out.new_token_ids)
+    return n
