@@ -71,6 +71,9 @@ class AdaptiveDrafter:
         # [k_max, B] chain probabilities, position-major; +inf where not drafted
         self.P = np.zeros((0, 0))
         self.costs = np.zeros((0, 0))  # [k_max, B] StepTimer.draft_token_cost(j) rows
+        self.ctx_costs = np.zeros((0, 0))  # [k_max, B] see _begin
+        self.first_q = np.zeros(0)  # [B]
+        self.k_total = 0
 
     def start(self, step: StepInfo, k_max: int) -> np.ndarray:
         """[B] bool: who drafts position 1."""
@@ -117,6 +120,14 @@ class AdaptiveDrafter:
         self.costs = self.timer.draft_token_costs(k_max)  # [k_max, B] per-token seconds
         if self.cost.draft.b + self.cost.target.b <= 0.0:  # free tokens: keep gain/cost finite
             self.costs = np.maximum(self.costs, 1e-12)
+        self.k_total = 0  # draft tokens in the plan (all verified)
+        # [k_max, B] draft forward attention seconds per request at position j + 1 (the first
+        # forward reads n - lag KV tokens) and [B] query tokens it feeds at j = 0 (lag + 1)
+        a_d = self.cost.draft.a
+        self.ctx_costs = a_d * (self.timer.n + np.arange(k_max, dtype=np.float64)[:, None])
+        if k_max:
+            self.ctx_costs[0] -= a_d * self.timer.lag
+        self.first_q = 1.0 + self.timer.lag
 
     def plan_matches(self, confidences: np.ndarray, drafted: np.ndarray) -> bool:
         """True when P, tokens and time describe the engine's plan exactly: every drafted
@@ -139,14 +150,12 @@ class AdaptiveDrafter:
         candidates (0 or False for the others); with self.p_last it gives each one's gain."""
         gain = self.p_last * self.pred
         gain *= weight  # [B] expected extra tokens (0 for non-candidates)
-        cost = self.costs[j]  # [B] seconds
+        cost = self.costs[j]  # [B] seconds, linear: ranks the requests
         order = (gain / cost).argsort()[::-1]  # best tokens per second first
         tokens = gain.take(order)
         tokens[0] += self.tokens  # so the prefix sums start from the current plan
         tokens = tokens.cumsum()  # [B] plan with the first i + 1 of order
-        time = cost.take(order)
-        time[0] += self.time + self.cost.draft.c
-        time = time.cumsum()
+        time = self._prefix_times(j, order)
         e = tokens / time  # E of each prefix
         if self.slo < float("inf"):
             e[time > self.slo] = SLO_VIOLATION
@@ -157,7 +166,23 @@ class AdaptiveDrafter:
             return drafting
         drafting[order[: best + 1]] = True
         self.time = float(time[best])
+        self.k_total += best + 1
         return drafting
+
+    def _prefix_times(self, j: int, order: np.ndarray) -> np.ndarray:
+        """[B] exact step time of the plan plus draft position j + 1 for the first i + 1
+        requests of `order`: one more draft forward (its knee priced on the prefix's query
+        tokens) and i + 1 more verified tokens (past the target's knee)."""
+        d = self.cost.draft
+        time = self.ctx_costs[j].take(order)  # [B] attention reads of the draft forward
+        time[0] += self.time + d.c
+        time = time.cumsum()
+        q = self.first_q.take(order).cumsum() if j == 0 else np.arange(1.0, order.size + 1.0)
+        time += d.b * np.maximum(q - d.q0, 0.0)
+        timer = self.timer
+        time += timer.verify_extra(self.k_total + np.arange(1.0, order.size + 1.0))
+        time -= timer.verify_extra(self.k_total)
+        return time
 
     def _correct(self, j: int, conf: np.ndarray, drafting: np.ndarray) -> None:
         """Replace the prediction of position j (just drafted) by its real confidence."""

@@ -71,7 +71,7 @@ class GoodputPolicy(TargetLengthPolicy):
         k = np.arange(int(drafted.max()) + 1)  # [K]
         kk = np.minimum(drafted[:, None], k[None, :])  # [B, K]
         tokens = geometric_tokens(self.acceptance.value, kk).sum(axis=0)  # [K]
-        times = timer.plain + timer.token_time * kk.sum(axis=0)  # [K]
+        times = timer.plain + timer.verify_extra(kk.sum(axis=0))  # [K]
         return int(np.argmax(tokens / times))
 
     def observe(self, step: StepInfo, outcome: VerifyOutcome) -> None:

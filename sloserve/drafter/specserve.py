@@ -63,6 +63,7 @@ class SpecServePolicy(SpecPolicy):
                 step_time=d.time,
                 token_time=d.timer.token_time,
                 slo=d.slo,
+                paid_tokens=d.timer.paid_verify(float(drafted.sum())),
             )
         # P from the real confidences: exact even if the engine drafted other than planned
         P = chain_probs(self.calibrator(confidences))  # [B, s]

@@ -1,4 +1,12 @@
-"""Forward-time cost model (DESIGN.md section 2): T_fwd = a * N_ctx + b * N_q + c.
+"""Forward-time cost model (DESIGN.md section 2), with a roofline knee:
+
+    T_fwd = a * N_ctx + b * max(0, N_q - q0) + c
+
+q0 = 0 is DESIGN's linear model a * N_ctx + b * N_q + c. A forward over few query tokens is
+bound by reading the weights, so its time hardly moves with N_q until the matmuls turn
+compute-bound; q0 is that knee, in query tokens per forward (on this CPU the built-in
+target is flat up to ~8 query rows, its draft up to ~16). The profiler fits q0 with a, b, c;
+the GPU profiles from published figures keep q0 = 0.
 
 This file is the contract between the profiler (which fits the coefficients), the estimator
 (which scores plans with them) and the simulator (which replaces forwards with them).
@@ -14,11 +22,20 @@ class ForwardCost:
     """Time of one forward pass of one model over a batch, in seconds."""
 
     a: float  # seconds per context (KV) token read by attention, summed over the batch
-    b: float  # seconds per query token computed in the pass
+    b: float  # seconds per query token computed in the pass, beyond the first q0
     c: float  # fixed seconds per pass (weights load, launch and Python overheads)
+    q0: float = 0.0  # query tokens a pass computes for the fixed cost alone (the knee)
 
     def time(self, n_ctx: float, n_q: float) -> float:
-        return self.a * n_ctx + self.b * n_q + self.c
+        return self.a * n_ctx + self.b * max(0.0, n_q - self.q0) + self.c
+
+    def paid(self, n_q: float) -> float:
+        """Query tokens of a pass that cost b each: max(0, n_q - q0)."""
+        return max(0.0, n_q - self.q0)
+
+    def scaled(self, s: float) -> ForwardCost:
+        """Every time s times longer (same knee)."""
+        return ForwardCost(self.a * s, self.b * s, self.c * s, self.q0)
 
     @staticmethod
     def free() -> ForwardCost:

@@ -9,6 +9,8 @@ k_r <= s_r of draft tokens it sends to verification. One step then costs
                              sum_r (k_r + 1) + prefill_tokens)
     T_step   = T_draft + T_verify + overhead
 
+T_fwd has the knee of cost_model.py: b is paid only for query tokens past q0 in each forward.
+
 with B_j the requests still drafting at draft step j, n_r the target KV length
 (StepInfo.context_lens) and lag_r the tokens the draft model must catch up on
 (StepInfo.draft_lag). As for the target (context = KV tokens before the forward), a draft
@@ -48,13 +50,19 @@ def draft_time(draft: ForwardCost, n: np.ndarray, lag: np.ndarray, steps: np.nda
         return 0.0
     lag_drafting = float(lag[s > 0].sum())
     ctx = float(s @ n) + float(s @ (s - 1.0)) * 0.5 - lag_drafting
-    q = float(s.sum()) + lag_drafting
+    if draft.q0 > 0.0:  # the knee applies per forward: B_j = requests drafting step j
+        batch_j = np.bincount(s.astype(np.int64), minlength=int(n_fwd) + 1)[::-1].cumsum()[::-1][1:]
+        batch_j = batch_j.astype(np.float64)  # [n_fwd]
+        batch_j[0] += lag_drafting
+        q = float(np.maximum(batch_j - draft.q0, 0.0).sum())
+    else:
+        q = float(s.sum()) + lag_drafting
     return draft.a * ctx + draft.b * q + draft.c * n_fwd
 
 
 def verify_time(target: ForwardCost, ctx_total: float, q_total: float) -> float:
     """Seconds of the one ragged target forward over q_total query tokens."""
-    return target.a * ctx_total + target.b * q_total + target.c
+    return target.time(ctx_total, q_total)
 
 
 class StepTimer:
@@ -73,25 +81,33 @@ class StepTimer:
         self.verify_q0 = float(self.batch_size + step.prefill_tokens)  # query tokens at k = 0
         # T of plain decoding (k = 0 for all, no draft forward)
         self.plain = verify_time(cost.target, self.verify_ctx, self.verify_q0) + cost.overhead
-        self.token_time = cost.target.b  # verify seconds per extra draft token
+        self.token_time = cost.target.b  # verify seconds per extra draft token past the knee
+        # draft tokens the verify forward takes in before they cost token_time each
+        self.free_verify = max(0.0, cost.target.q0 - self.verify_q0)
+
+    def verify_extra(self, k_total):
+        """Seconds that verifying k_total draft tokens adds to plain decoding (scalar or
+        array): token_time for each token past the target's knee."""
+        return self.token_time * np.maximum(np.asarray(k_total, dtype=np.float64) - self.free_verify, 0.0)
+
+    def paid_verify(self, k_total: float) -> float:
+        """How many of k_total verified draft tokens lie past the target's knee."""
+        return max(0.0, k_total - self.free_verify)
 
     def plan(self, drafted: np.ndarray, verified: np.ndarray) -> float:
         """T_step of a plan: drafted [B] draft steps, verified [B] tokens verified."""
         t_draft = draft_time(self.cost.draft, self.n, self.lag, drafted)
         k_total = float(np.sum(verified))
-        return t_draft + self.plain + self.token_time * k_total
+        return t_draft + self.plain + float(self.verify_extra(k_total))
 
     def draft_token_cost(self, j: int) -> np.ndarray:
-        """[B] seconds request r adds to the step by drafting position j + 1 (j = drafted so
-        far) and verifying it, excluding the draft forward's fixed cost c."""
-        d = self.cost.draft
-        cost = d.a * (self.n + j) + (d.b + self.token_time)
-        if j == 0:  # the first forward reads n - lag KV tokens and feeds lag + 1 tokens
-            cost += (d.b - d.a) * self.lag
-        return cost
+        """[B] row j of draft_token_costs: drafting position j + 1 (j = drafted so far)."""
+        return self.draft_token_costs(j + 1)[j]
 
     def draft_token_costs(self, k_max: int) -> np.ndarray:
-        """[k_max, B] draft_token_cost(j) for j = 0..k_max-1, in one broadcast."""
+        """[k_max, B] seconds request r adds to the step by drafting position j + 1 and
+        verifying it, excluding the draft forward's fixed cost c, as if no knee: the linear
+        part that ranks requests (the adaptive drafter prices the knees exactly per plan)."""
         d = self.cost.draft
         j = np.arange(k_max, dtype=np.float64)[:, None]  # [k_max, 1]
         cost = d.a * (self.n + j) + (d.b + self.token_time)  # [k_max, B]
@@ -102,16 +118,17 @@ class StepTimer:
     def uniform(self, k_max: int) -> np.ndarray:
         """[k_max + 1] T_step when every request drafts and verifies k = 0..k_max tokens.
 
-        With S_n = sum_r n_r and S_lag = sum_r lag_r the closed forms above become
-        T(k) = plain + k (a_d S_n + (b_d + b_t) B + c_d) + k (k - 1) a_d B / 2
-        + (b_d - a_d) S_lag for k >= 1.
+        With S_n = sum_r n_r, S_lag = sum_r lag_r and paid_d(q) = max(0, q - q0_draft):
+        T(k) = plain + verify_extra(k B) + k c_d + a_d (k S_n + k (k - 1) B / 2 - S_lag)
+        + b_d (paid_d(B + S_lag) + (k - 1) paid_d(B)) for k >= 1.
         """
         d = self.cost.draft
         b = float(self.batch_size)
-        per_k = d.a * float(self.n.sum()) + (d.b + self.token_time) * b + d.c
+        lag = float(self.lag.sum())
         k = np.arange(k_max + 1, dtype=np.float64)  # [K]
-        t = k * per_k + k * (k - 1.0) * (0.5 * d.a * b) + self.plain
-        t[1:] += (d.b - d.a) * float(self.lag.sum())  # the first forward's catch-up tokens
+        t = self.plain + self.verify_extra(k * b)
+        t += k * (d.c + d.a * float(self.n.sum())) + k * (k - 1.0) * (0.5 * d.a * b)
+        t[1:] += d.b * (d.paid(b + lag) + (k[1:] - 1.0) * d.paid(b)) - d.a * lag
         return t
 
 

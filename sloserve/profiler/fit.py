@@ -1,11 +1,15 @@
-"""Least-squares fit of the forward cost model T = a * N_ctx + b * N_q + c (DESIGN.md sec. 2).
+"""Least-squares fit of the forward cost model T = a * N_ctx + b * max(0, N_q - q0) + c
+(DESIGN.md sec. 2, with the roofline knee q0 of cost_model.py; q0 = 0 is the linear model).
 
 The measuring half of the profiler (which runs forwards on the engine) hands this module
 lists of samples (n_ctx, n_q, seconds). The fit minimises relative squared error by default
 (timings span orders of magnitude, and MAPE is what the estimator's decisions feel), and
 keeps every coefficient non-negative: with three unknowns the exact non-negative least
 squares solution is the best of the unconstrained fits over the 7 column subsets whose
-coefficients all come out >= 0.
+coefficients all come out >= 0. The knee is searched over the sampled N_q values (and the
+midpoints between them): for each candidate the fit above runs on max(0, N_q - q0); a knee is
+kept only when it cuts the weighted squared error by KNEE_GAIN or more over the linear fit, so
+timings that are linear keep q0 = 0 and noise does not invent a knee.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ class FitResult:
     stats: FitStats
 
 
+KNEE_GAIN = 0.05  # fraction of the linear fit's weighted SSE a knee must remove
+
+
 def _as_arrays(samples: Iterable[Sequence[float]]) -> tuple[np.ndarray, np.ndarray]:
     data = np.asarray([tuple(s) for s in samples], dtype=np.float64)  # [N, 3]
     if data.ndim != 2 or data.shape[1] != 3:
@@ -47,8 +54,8 @@ def _as_arrays(samples: Iterable[Sequence[float]]) -> tuple[np.ndarray, np.ndarr
     return X, data[:, 2]
 
 
-def _nnls3(X: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """[3] non-negative weighted least squares by enumerating column subsets."""
+def _nnls3(X: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, float]:
+    """[3] non-negative weighted least squares by enumerating column subsets, and its SSE."""
     Xw, yw = X * w[:, None], y * w
     best, best_sse = np.zeros(3), float(yw @ yw)
     for size in (3, 2, 1):
@@ -62,12 +69,13 @@ def _nnls3(X: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
             sse = float(r @ r)
             if sse < best_sse - 1e-18 * max(1.0, best_sse):
                 best, best_sse = full, sse
-    return best
+    return best, best_sse
 
 
 def fit_stats(cost: ForwardCost, samples: Iterable[Sequence[float]]) -> FitStats:
     """R^2 and percentage errors of `cost` on samples (use on held-out samples too)."""
     X, y = _as_arrays(samples)
+    X[:, 1] = np.maximum(X[:, 1] - cost.q0, 0.0)
     pred = X @ np.array([cost.a, cost.b, cost.c])
     ape = np.abs(pred - y) / y
     ss_tot = float(((y - y.mean()) ** 2).sum())
@@ -76,15 +84,38 @@ def fit_stats(cost: ForwardCost, samples: Iterable[Sequence[float]]) -> FitStats
     return FitStats(r2=r2, mape=float(ape.mean()), max_ape=float(ape.max()), n_samples=y.size)
 
 
-def fit_forward_cost(samples: Iterable[Sequence[float]], *, relative: bool = True) -> FitResult:
-    """Fit (a, b, c) >= 0 from (n_ctx, n_q, seconds) samples.
+def fit_forward_cost(
+    samples: Iterable[Sequence[float]], *, relative: bool = True, knee: bool = True
+) -> FitResult:
+    """Fit (a, b, c) >= 0 and the knee q0 >= 0 from (n_ctx, n_q, seconds) samples.
 
     relative=True weights each sample by 1 / seconds (minimises squared relative error);
-    False is ordinary least squares on seconds.
+    False is ordinary least squares on seconds. knee=False fits the linear model (q0 = 0).
     """
     samples = list(samples)
     X, y = _as_arrays(samples)
     w = 1.0 / y if relative else np.ones_like(y)
-    a, b, c = (float(v) for v in _nnls3(X, y, w))
-    cost = ForwardCost(a=a, b=b, c=c)
+    coef, sse = _nnls3(X, y, w)
+    q0 = 0.0
+    if knee:
+        linear_sse = sse
+        for cand in _knee_candidates(X[:, 1]):
+            Xk = X.copy()
+            Xk[:, 1] = np.maximum(Xk[:, 1] - cand, 0.0)
+            c_k, sse_k = _nnls3(Xk, y, w)
+            if sse_k < sse and sse_k <= (1.0 - KNEE_GAIN) * linear_sse and c_k[1] > 0.0:
+                coef, sse, q0 = c_k, sse_k, float(cand)
+    a, b, c = (float(v) for v in coef)
+    cost = ForwardCost(a=a, b=b, c=c, q0=q0)
     return FitResult(cost=cost, stats=fit_stats(cost, samples))
+
+
+def _knee_candidates(n_q: np.ndarray) -> np.ndarray:
+    """Sampled query-token counts and the midpoints between them, leaving at least three
+    distinct counts past the knee so b stays determined."""
+    values = np.unique(n_q)
+    if values.size < 4:
+        return np.zeros(0)
+    mids = (values[:-1] + values[1:]) / 2.0
+    cands = np.unique(np.concatenate([values, mids]))
+    return cands[cands < values[-3]]

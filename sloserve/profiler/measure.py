@@ -37,7 +37,7 @@ class Grid:
                 "query_lens": list(self.query_lens), "reps": [self.reps]}
 
 
-QUICK = Grid((1, 4, 16, 32), (64, 512), (1, 2, 5, 9), reps=5)
+QUICK = Grid((1, 2, 4, 8, 16, 32), (64, 512), (1, 2, 5, 9), reps=5)
 FULL = Grid((1, 2, 4, 8, 16, 32, 64), (32, 256, 1024), tuple(range(1, 10)), reps=7)
 
 

@@ -64,6 +64,6 @@ class SimDrafter:
             req.draft_kv_len = kv
             n_ctx += kv  # attended KV tokens: the cached ones plus this forward's queries
         c = self.cost
-        self.time += c.a * n_ctx + c.b * n_q + c.c
+        self.time += c.time(n_ctx, n_q)
         self.forwards += 1
         return out

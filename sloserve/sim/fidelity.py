@@ -127,12 +127,9 @@ def serving_scale(cfg: EngineConfig, profile: str, batches=(1, 4), tokens: int =
 
 
 def scaled(cost, s: float):
-    from sloserve.estimator.cost_model import CostModel, ForwardCost
+    from sloserve.estimator.cost_model import CostModel
 
-    def f(c: ForwardCost) -> ForwardCost:
-        return ForwardCost(c.a * s, c.b * s, c.c * s)
-
-    return CostModel(f(cost.target), f(cost.draft), cost.overhead * s)
+    return CostModel(cost.target.scaled(s), cost.draft.scaled(s), cost.overhead * s)
 
 
 def rel_err(sim: float | None, real: float | None) -> float | None:

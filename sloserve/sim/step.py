@@ -118,7 +118,7 @@ class SimStepRunner:
         n_q += len(decodes) + k_sum
         t = self.cost.target
         draft_time = self.drafter.time if draft is not None else 0.0
-        dt = draft_time + t.a * n_ctx + t.b * n_q + t.c + self.cost.overhead
+        dt = draft_time + t.time(n_ctx, n_q) + self.cost.overhead
         end = now + dt
         for r, n in sched.prefills:
             r.kv_len += n

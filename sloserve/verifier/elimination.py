@@ -7,7 +7,9 @@ always its tail, so every request keeps a prefix of its draft (k_r <= drafted_r)
 
 Cost: the draft forwards already ran, so removing a token only shortens the ragged verify
 forward by one query token: T drops by exactly `token_time` (cost.target.b) and the expected
-tokens by P_{r,j}. Removing it raises E iff P_{r,j} < token_time * E. One sort of all
+tokens by P_{r,j}. Removing it raises E iff P_{r,j} < token_time * E. Past the target's knee
+(cost_model.py) only the verify tokens beyond q0 cost anything: once `paid_tokens` removals
+have been made, a removal saves nothing and never raises E. One sort of all
 candidate tokens plus prefix sums scores every removal count at once; the greedy stops at
 the first removal that does not help, which is also the best prefix (E rises while tokens
 below the threshold go, and the threshold falls once E does).
@@ -28,20 +30,23 @@ def eliminate(
     step_time: float,
     token_time: float,
     slo: float,
+    paid_tokens: float = float("inf"),
 ) -> np.ndarray:
     """[B] int64 k_r: draft tokens each request keeps for verification.
 
     P: [B, s] chain probabilities of draft positions 1..s (non-increasing per row; entries
     past drafted[r] are ignored). drafted: [B] int. tokens: sum_r l_r(drafted_r), the expected
     tokens if everything is verified; step_time: T_step of that plan; token_time: seconds
-    one verified draft token adds; slo: the binding TPOT SLO (inf for none).
+    one verified draft token adds; slo: the binding TPOT SLO (inf for none); paid_tokens: how
+    many of the verified draft tokens lie past the target's knee (inf: no knee).
     """
     drafted = np.asarray(drafted, dtype=np.int64)
     if P.shape[1] == 0 or not drafted.any():
         return drafted.copy()
     padded = np.where(np.arange(P.shape[1]) < drafted[:, None], P, np.inf)  # [B, s]
     return eliminate_padded(
-        padded, drafted, tokens=tokens, step_time=step_time, token_time=token_time, slo=slo
+        padded, drafted, tokens=tokens, step_time=step_time, token_time=token_time, slo=slo,
+        paid_tokens=paid_tokens,
     )
 
 
@@ -53,6 +58,7 @@ def eliminate_padded(
     step_time: float,
     token_time: float,
     slo: float,
+    paid_tokens: float = float("inf"),
 ) -> np.ndarray:
     """`eliminate` for a P that is +inf exactly past each row's drafted tokens (the adaptive
     drafter keeps it that way), which saves building the candidate list."""
@@ -64,8 +70,10 @@ def eliminate_padded(
     p_sorted = flat.take(order)  # [n]
     # state before removing candidate i: tokens_prev[i], time_prev[i]
     tokens_prev = (tokens + p_sorted) - p_sorted.cumsum()  # [n]
-    time_prev = step_time - token_time * np.arange(n)  # [n]
-    remove = p_sorted * time_prev < token_time * tokens_prev  # P < token_time * E_prev
+    removed = np.arange(n, dtype=np.float64)  # [n] removals made before candidate i
+    saving = np.where(removed < paid_tokens, token_time, 0.0)  # [n] seconds removing i saves
+    time_prev = step_time - token_time * np.minimum(removed, paid_tokens)  # [n]
+    remove = p_sorted * time_prev < saving * tokens_prev  # P < saving * E_prev
     if slo < float("inf"):
         remove |= time_prev > slo  # the SLO rule: remove regardless
     n_remove = int(remove.argmin()) if n else 0
@@ -92,4 +100,5 @@ def eliminate_plan(timer: StepTimer, P: np.ndarray, drafted: np.ndarray, slo: fl
         step_time=t,
         token_time=timer.token_time,
         slo=slo,
+        paid_tokens=timer.paid_verify(float(drafted.sum())),
     )

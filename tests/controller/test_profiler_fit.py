@@ -54,6 +54,28 @@ def test_fit_is_exact_without_noise_and_flags_bad_models():
     assert wrong.mape > 0.1 and wrong.r2 < 0.99
 
 
+KNEE = ForwardCost(a=2.0e-6, b=1.5e-3, c=28e-3, q0=16)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_fit_recovers_a_roofline_knee_within_2_percent(seed):
+    """Timings flat up to 16 query tokens per forward, linear after (CPU-like): the fit finds
+    the knee and the coefficients; the linear fit of the same data is visibly worse."""
+    samples = grid_samples(KNEE, np.random.default_rng(seed), noise=0.02)
+    fit = fit_forward_cost(samples)
+    assert fit.cost.q0 == pytest.approx(KNEE.q0, abs=1.0)
+    for name in ("a", "b", "c"):
+        assert getattr(fit.cost, name) == pytest.approx(getattr(KNEE, name), rel=0.02)
+    linear = fit_forward_cost(samples, knee=False)
+    assert linear.cost.q0 == 0.0 and linear.stats.mape > 2 * fit.stats.mape
+
+
+def test_linear_timings_keep_no_knee():
+    for seed in range(5):
+        fit = fit_forward_cost(grid_samples(TRUE, np.random.default_rng(seed), noise=0.02))
+        assert fit.cost.q0 == 0.0
+
+
 def test_fit_keeps_coefficients_non_negative():
     # no context dependence at all, plus noise: an unconstrained fit may go negative
     cost = ForwardCost(0.0, 1e-3, 5e-3)

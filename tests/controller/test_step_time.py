@@ -11,6 +11,9 @@ from sloserve.estimator.cost_model import CostModel, ForwardCost
 from sloserve.estimator.step_time import StepTimer, step_time
 
 COST = CostModel(ForwardCost(3e-6, 2e-3, 30e-3), ForwardCost(5e-7, 2e-4, 5e-3), overhead=2e-3)
+# the same pair with roofline knees: the first 24 verify / 6 draft query tokens are free
+KNEE = CostModel(ForwardCost(3e-6, 2e-3, 30e-3, q0=24), ForwardCost(5e-7, 2e-4, 5e-3, q0=6),
+                 overhead=2e-3)
 
 
 def brute_force(cost: CostModel, step: StepInfo, drafted, verified) -> float:
@@ -30,8 +33,9 @@ def brute_force(cost: CostModel, step: StepInfo, drafted, verified) -> float:
     return t + cost.overhead
 
 
+@pytest.mark.parametrize("cost", [COST, KNEE], ids=["linear", "knee"])
 @pytest.mark.parametrize("seed", range(5))
-def test_plan_time_matches_forward_by_forward_sum(seed):
+def test_plan_time_matches_forward_by_forward_sum(seed, cost):
     rng = np.random.default_rng(seed)
     B = int(rng.integers(1, 40))
     step = StepInfo(
@@ -45,18 +49,29 @@ def test_plan_time_matches_forward_by_forward_sum(seed):
     )
     drafted = rng.integers(0, 9, B)
     verified = np.minimum(drafted, rng.integers(0, 9, B))
-    assert step_time(COST, step, drafted, verified) == pytest.approx(
-        brute_force(COST, step, drafted, verified), rel=1e-12
+    assert step_time(cost, step, drafted, verified) == pytest.approx(
+        brute_force(cost, step, drafted, verified), rel=1e-12
     )
 
 
-def test_uniform_times_match_plans():
-    step = make_step(12, context=np.arange(100, 1300, 100), lag=np.array([0, 1] * 6))
-    timer = StepTimer(COST, step)
+@pytest.mark.parametrize("cost", [COST, KNEE], ids=["linear", "knee"])
+@pytest.mark.parametrize("batch", [3, 12, 40])
+def test_uniform_times_match_plans(cost, batch):
+    step = make_step(batch, context=np.arange(100, 100 * (batch + 1), 100),
+                     lag=np.array([0, 1] * batch)[:batch])
+    timer = StepTimer(cost, step)
     uniform = timer.uniform(6)
     for k in range(7):
-        ks = np.full(12, k)
-        assert uniform[k] == pytest.approx(brute_force(COST, step, ks, ks), rel=1e-12)
+        ks = np.full(batch, k)
+        assert uniform[k] == pytest.approx(brute_force(cost, step, ks, ks), rel=1e-12)
+
+
+def test_knee_makes_few_query_tokens_free():
+    """Below the knee the verify forward costs its fixed part only; past it, b per token."""
+    step = make_step(4, context=np.full(4, 100))
+    timer = StepTimer(KNEE, step)
+    assert timer.verify_extra(20) == 0.0  # 4 + 20 query tokens <= q0 = 24
+    assert timer.verify_extra(30) == pytest.approx(10 * KNEE.target.b)
 
 
 def test_plain_step_has_no_draft_forward_and_counts_prefill():
