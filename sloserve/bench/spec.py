@@ -5,8 +5,11 @@ at several batch sizes, in one process (models loaded once, policies swapped).
     python -m sloserve.bench.spec --policies ar,fixed:3,specserve --batches 8 --tpot-slo 45ms
 
 Batch b = b requests submitted together (ordinary prompts cut to --prompt-tokens, greedy,
-ignore_eos, the same output length), run to completion; repeated `--repeats` times with the policies alternating,
-medians reported. Per-token latency is each request's TPOT = (finish - first token) / (n - 1).
+ignore_eos, the same output length), run to completion; repeated `--repeats` times with the
+policies alternating (the order rotates every repeat), medians reported. "vs ar" is the median
+over repeats of tok/s divided by ar's tok/s in the same repeat: pairing runs seconds apart
+cancels most of this machine's slow drifts. Per-token latency is each request's
+TPOT = (finish - first token) / (n - 1).
 Prints a table and writes JSON (default out/bench_spec.json).
 """
 
@@ -94,7 +97,9 @@ def main(argv=None) -> dict:
     ))
     engines = {}
     for name in policies:  # same models and KV pool, a fresh policy each
-        parts = dataclasses.replace(base.parts, policy=make_policy(name, base.parts.cost, k_max=args.k_max, drafter=args.drafter))
+        parts = dataclasses.replace(base.parts, policy=make_policy(
+            name, base.parts.cost, k_max=args.k_max, drafter=args.drafter,
+            calibration=base.parts.calibration))
         engines[name] = Engine(dataclasses.replace(base.cfg, spec_policy=name), parts=parts)
     rows = []
     for b in batches:
@@ -104,16 +109,18 @@ def main(argv=None) -> dict:
         for eng in engines.values():  # warm-up
             run_once(eng, prompts[:1], 4)
         runs: dict[str, list[dict]] = {p: [] for p in policies}
-        for _ in range(args.repeats):
-            for name, eng in engines.items():
-                runs[name].append(run_once(eng, prompts, args.new_tokens))
+        for rep in range(args.repeats):
+            order = policies[rep % len(policies):] + policies[: rep % len(policies)]
+            for name in order:
+                runs[name].append(run_once(engines[name], prompts, args.new_tokens))
         for name in policies:
-            rows.append({"batch": b, "policy": name, **_median_run(runs[name])})
-    ar = {r["batch"]: r for r in rows if r["policy"] == "ar"}
+            paired = ([r["tok_s"] / a["tok_s"] for r, a in zip(runs[name], runs["ar"])]
+                      if "ar" in runs else [float("nan")])
+            rows.append({"batch": b, "policy": name, **_median_run(runs[name]),
+                         "speedup_vs_ar": statistics.median(paired), "speedup_vs_ar_all": paired})
     table = []
     for r in rows:
-        rel = r["tok_s"] / ar[r["batch"]]["tok_s"] if r["batch"] in ar else float("nan")
-        r["speedup_vs_ar"] = rel
+        rel = r["speedup_vs_ar"]
         acc = "-" if r["policy"] == "ar" else f"{r['verified_acceptance_rate']:.2f}"
         r["controller_share"] = r["policy_time_per_step_us"] / 1000 / max(r["step_time_mean_ms"], 1e-9)
         table.append([r["batch"], r["policy"], f"{r['mean_tpot_ms']:.1f}", f"{r['tok_s']:.1f}",

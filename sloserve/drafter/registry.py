@@ -114,9 +114,12 @@ _BUILDERS: dict[str, Builder] = {
 }
 
 
-def make_policy(spec: str, cost: CostModel, *, k_max: int, drafter: str = "model") -> SpecPolicy:
+def make_policy(spec: str, cost: CostModel, *, k_max: int, drafter: str = "model",
+                calibration=None) -> SpecPolicy:
     """The policy named by `spec` (see the module docstring). Raises ValueError naming the
-    valid choices on an unknown or malformed spec, k_max < 0 or an unknown drafter."""
+    valid choices on an unknown or malformed spec, k_max < 0 or an unknown drafter.
+    calibration: the pair's offline confidence -> acceptance counts ([2, n_bins], from the
+    profile); policies that learn a calibration map start from it."""
     if drafter not in DRAFTERS:
         raise ValueError(f"unknown drafter {drafter!r}; valid: {', '.join(DRAFTERS)}")
     if k_max < 0:
@@ -126,6 +129,10 @@ def make_policy(spec: str, cost: CostModel, *, k_max: int, drafter: str = "model
     if builder is None or (sep and not arg):
         raise ValueError(f"unknown speculation policy {spec!r}; valid: {SPEC_GRAMMAR}")
     try:
-        return builder(arg if sep else None, cost, k_max, drafter)
+        policy = builder(arg if sep else None, cost, k_max, drafter)
     except ValueError as err:
         raise ValueError(f"bad speculation policy {spec!r}: {err}; valid: {SPEC_GRAMMAR}") from err
+    seed = getattr(policy, "seed_calibration", None)
+    if calibration is not None and seed is not None:
+        seed(calibration)
+    return policy

@@ -41,6 +41,10 @@ class SpecServePolicy(SpecPolicy):
         self.calibrator = calibrator or ConfidenceCalibrator()
         self.drafter = AdaptiveDrafter(cost, self.calibrator, **drafter_options)
 
+    def seed_calibration(self, counts: np.ndarray) -> None:
+        """Start the calibration map from the pair's offline one (the profile's)."""
+        self.calibrator.seed(counts)
+
     def start(self, step: StepInfo) -> np.ndarray:
         return self.drafter.start(step, max(0, min(self.k_max, step.k_max)))
 

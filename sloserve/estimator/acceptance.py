@@ -122,6 +122,20 @@ class ConfidenceCalibrator:
                 self.counts *= self.max_count / total
             self._dirty = True
 
+    def seed(self, counts: np.ndarray, max_samples: float = 400.0) -> None:
+        """Start from an offline calibration of the same model pair ([2, n_bins] rejected /
+        accepted counts, e.g. a profile's): added to the counts, scaled down to at most
+        `max_samples` samples so the online outcomes take over within a few hundred."""
+        counts = np.asarray(counts, dtype=np.float64)
+        if counts.shape != self.counts.shape or np.any(counts < 0):
+            raise ValueError(f"calibration counts must be non-negative {self.counts.shape}, "
+                             f"got {counts.shape}")
+        total = counts.sum()
+        if total > max_samples:
+            counts = counts * (max_samples / total)
+        self.counts += counts
+        self.refit()
+
     def refit(self) -> None:
         """Refit the map from the counts now (otherwise every `refit_every` updates)."""
         w = self.total + self.prior_weight  # [n_bins]

@@ -79,8 +79,11 @@ class StepTimer:
         self.lag = draft_lag(step)  # [B]
         self.verify_ctx = float(self.n.sum()) + float(step.prefill_context)
         self.verify_q0 = float(self.batch_size + step.prefill_tokens)  # query tokens at k = 0
-        # T of plain decoding (k = 0 for all, no draft forward)
+        # T of plain decoding (k = 0 for all, no draft forward); a speculating engine's draft
+        # model reads the step's prefill chunks too (free for model-free drafters)
         self.plain = verify_time(cost.target, self.verify_ctx, self.verify_q0) + cost.overhead
+        if step.prefill_tokens:
+            self.plain += cost.draft.time(step.prefill_context, step.prefill_tokens)
         self.token_time = cost.target.b  # verify seconds per extra draft token past the knee
         # draft tokens the verify forward takes in before they cost token_time each
         self.free_verify = max(0.0, cost.target.q0 - self.verify_q0)

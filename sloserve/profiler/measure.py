@@ -12,9 +12,10 @@ import json
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from sloserve.estimator.cost_model import ForwardCost
@@ -123,6 +124,31 @@ def measure_overhead(engine, cost_target: ForwardCost, batches=(1, 8), steps: in
     return max(0.0, statistics.median(resid))
 
 
+def measure_calibration(engine, k: int = 4, prompts: int = 16, tokens: int = 64) -> np.ndarray:
+    """[2, n_bins] confidence -> conditional acceptance outcomes of the engine's drafter:
+    greedy decoding of `prompts` ordinary prompts drafting and verifying k tokens a step,
+    each verified position up to the first rejection one sample (ConfidenceCalibrator.update).
+    The SpecServe policy starts its online map from these counts instead of the identity."""
+    from sloserve.bench.common import ordinary_prompts
+    from sloserve.drafter.fixed import FixedPolicy
+    from sloserve.estimator.acceptance import ConfidenceCalibrator
+    from sloserve.runtime.engine import Engine
+    from sloserve.runtime.request import SamplingParams
+
+    calibrator = ConfidenceCalibrator(prior_weight=0.0)
+
+    class Recorder(FixedPolicy):
+        def observe(self, step, outcome) -> None:
+            calibrator.update(outcome.confidences, outcome.verified, outcome.accepted)
+
+    k = max(1, min(k, engine.cfg.k_max))
+    parts = replace(engine.parts, policy=Recorder(k, engine.cfg.k_max))
+    eng = Engine(replace(engine.cfg, spec_policy=f"fixed:{k}"), parts=parts)
+    texts = [eng.encode(p)[:256] for p in ordinary_prompts(prompts)]
+    eng.generate(texts, SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True))
+    return calibrator.counts.copy()
+
+
 def build_profile(engine, grid: Grid, mode: str, log=print) -> tuple[Profile, dict]:
     """Profile the engine's target (and draft) runners; returns the profile and raw samples."""
     parts = engine.parts
@@ -138,10 +164,15 @@ def build_profile(engine, grid: Grid, mode: str, log=print) -> tuple[Profile, di
         d_samples = []
         draft = ModelProfile("ngram", "", ForwardCost.free(), None)
     overhead = measure_overhead(engine, t_fit.cost)
+    calibration = None
+    if engine.runner.drafter is not None and engine.cfg.k_max > 0:
+        counts = measure_calibration(engine)
+        calibration = tuple(tuple(round(float(x), 3) for x in row) for row in counts)
+        log(f"  calibration: {int(counts.sum())} verified draft positions")
     profile = Profile(
         target=ModelProfile(parts.target_path, fingerprint(parts.target_path), t_fit.cost, t_fit.stats),
         draft=draft, device=device_key(engine.cfg.device), dtype=engine.cfg.dtype,
-        overhead=overhead, grid=grid.as_dict(), mode=mode,
+        overhead=overhead, grid=grid.as_dict(), mode=mode, calibration=calibration,
     )
     return profile, {"target": t_samples, "draft": d_samples}
 

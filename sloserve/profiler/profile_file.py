@@ -19,6 +19,8 @@ Schema (version 1):
                 "fit": {"r2": ..., "mape": ..., "max_ape": ..., "n_samples": ...}},
      "draft": {same as target},
      "overhead": seconds per step outside the forwards,
+     "calibration": [[rejected per bin], [accepted per bin]] (optional): draft confidence ->
+                    conditional acceptance outcomes of the pair, 16 equal confidence bins,
      "grid": {"batch_sizes": [...], "context_lens": [...], "query_lens": [...]}}
 """
 
@@ -71,6 +73,7 @@ class Profile:
     overhead: float = 0.0
     grid: dict[str, list[int]] = field(default_factory=dict)
     mode: str = "full"
+    calibration: tuple[tuple[float, ...], ...] | None = None  # [2, n_bins] counts
     sloserve_version: str = __version__
     created: str = field(
         default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -113,6 +116,8 @@ def to_json(profile: Profile) -> dict:
         "draft": _model_json(profile.draft),
         "overhead": profile.overhead,
         "grid": profile.grid,
+        **({"calibration": [list(row) for row in profile.calibration]}
+           if profile.calibration is not None else {}),
     }
 
 
@@ -133,6 +138,8 @@ def from_json(d: dict) -> Profile:
             overhead=float(d.get("overhead", 0.0)),
             grid=dict(d.get("grid", {})),
             mode=d.get("mode", "full"),
+            calibration=(tuple(tuple(float(x) for x in row) for row in d["calibration"])
+                         if d.get("calibration") else None),
             sloserve_version=d.get("sloserve_version", "unknown"),
             created=d.get("created", ""),
         )

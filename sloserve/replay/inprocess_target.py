@@ -34,7 +34,7 @@ def shared_parts(cfg: EngineConfig) -> EngineParts:
     parts = _PARTS[key]
     drafter = "ngram" if cfg.drafter == "ngram" else "model"
     policy = make_policy(cfg.spec_policy if cfg.drafter != "none" else "ar", parts.cost,
-                         k_max=cfg.k_max, drafter=drafter)
+                         k_max=cfg.k_max, drafter=drafter, calibration=parts.calibration)
     return dataclasses.replace(parts, policy=policy)
 
 

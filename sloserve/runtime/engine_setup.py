@@ -33,6 +33,7 @@ class EngineParts:
     cost: CostModel
     target_path: str
     draft_path: str | None
+    calibration: tuple | None = None  # the profile's confidence -> acceptance counts
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -63,17 +64,20 @@ def rough_cost(target_cfg, draft_cfg) -> CostModel:
 
 
 def _load_cost(cfg: EngineConfig, target: ModelRunner, draft: ModelRunner | None,
-               target_path: str, draft_path: str | None) -> CostModel:
-    from sloserve.profiler.loading import load_cost_model
+               target_path: str, draft_path: str | None) -> tuple[CostModel, tuple | None]:
+    """The cost model and the pair's calibration counts (None without a profile)."""
+    from sloserve.profiler.loading import load_profile
 
-    cost = load_cost_model(cfg, target_path, draft_path)
+    profile = load_profile(cfg, target_path, draft_path)
+    cost = profile.cost_model() if profile is not None else None
+    calibration = profile.calibration if profile is not None else None
     if cost is None:
         log.warning("no cost profile found for this model pair/device; using a rough estimate "
                     "(run `python -m sloserve.profiler` for an accurate one)")
         cost = rough_cost(target.cfg, draft.cfg if draft else None)
     if draft is None:
         cost = CostModel(cost.target, ForwardCost.free(), cost.overhead)
-    return cost
+    return cost, calibration
 
 
 def build_parts(cfg: EngineConfig) -> EngineParts:
@@ -106,14 +110,15 @@ def build_parts(cfg: EngineConfig) -> EngineParts:
     if draft_model is not None:
         d_kv = KVStorage(draft_model.cfg, cfg.num_blocks, cfg.block_size, dtype, device)
         draft = ModelRunner(draft_model, d_kv, make_backend(cfg.attention_backend), cfg.block_size)
-    cost = _load_cost(cfg, target, draft, target_path, draft_path)
+    cost, calibration = _load_cost(cfg, target, draft, target_path, draft_path)
     from sloserve.drafter.registry import make_policy
 
     policy = make_policy(
         cfg.spec_policy if cfg.drafter != "none" else "ar", cost, k_max=cfg.k_max,
-        drafter="ngram" if cfg.drafter == "ngram" else "model",
+        drafter="ngram" if cfg.drafter == "ngram" else "model", calibration=calibration,
     )
-    return EngineParts(tokenizer, target, draft, alloc, policy, cost, target_path, draft_path)
+    return EngineParts(tokenizer, target, draft, alloc, policy, cost, target_path, draft_path,
+                       calibration)
 
 
 def model_name(path: str) -> str:

@@ -93,6 +93,8 @@ class StepRunner:
             extra = draft.tokens[i][:k] if k else []
             segs.append(Segment(r.blocks, r.kv_len, [r.all_ids[-1], *extra], all_logits=k > 0))
         logits, batch = self.parts.target.forward(segs)
+        if sched.prefills and self.speculative and self.drafter.kind == "model":
+            self._prefill_draft(sched.prefills)
         argmax = logits.argmax(dim=-1).tolist()
         touched: list[Touched] = []
         for i, (r, n) in enumerate(sched.prefills):
@@ -109,6 +111,22 @@ class StepRunner:
             touched.append(self._commit(r, emitted))
         self._account(decodes, draft, accepted, time.perf_counter() - t0, len(sched.prefills))
         return touched
+
+    def _prefill_draft(self, prefills) -> None:
+        """The draft model reads each prefill chunk in the same step as the target, so a
+        request starts decoding with its draft cache caught up (draft lag 0): otherwise its
+        first draft forward would carry the whole prompt and the policy would price
+        speculation for it out of reach."""
+        segs, reqs = [], []
+        for r, n in prefills:
+            end = r.kv_len + n  # kv_len is still the chunk's start here
+            if r.draft_kv_len < end:
+                segs.append(Segment(r.blocks, r.draft_kv_len, r.all_ids[r.draft_kv_len : end]))
+                reqs.append((r, end))
+        if segs:
+            self.drafter.runner.forward(segs)
+            for r, end in reqs:
+                r.draft_kv_len = end
 
     def _draft(self, decodes: list[Request], sched) -> DraftResult:
         info = step_info(

@@ -74,6 +74,14 @@ class Calibration:
         return np.interp(c, self.confidence, self.acceptance)
 
 
+def calibration_counts(cal: Calibration, n_bins: int = 16, per_bin: float = 25.0) -> np.ndarray:
+    """[2, n_bins] rejected / accepted pseudo-counts of g at the calibrator's bin centres: how
+    a simulated policy starts from this pair's calibration, as the engine starts from its
+    profile's (ConfidenceCalibrator.seed)."""
+    g = cal((np.arange(n_bins) + 0.5) / n_bins)
+    return np.stack([(1.0 - g) * per_bin, g * per_bin])
+
+
 @dataclass(frozen=True)
 class ConfidenceDist:
     """Beta-distributed confidences with a Beta-distributed per-request mean."""

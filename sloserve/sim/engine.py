@@ -32,7 +32,7 @@ from sloserve.estimator.cost_model import CostModel, ForwardCost
 from sloserve.runtime.config import EngineConfig
 from sloserve.runtime.request import InvalidRequest, Request, SamplingParams
 from sloserve.runtime.stats import EngineStats
-from sloserve.sim.acceptance import AcceptanceModel, builtin_pair_model
+from sloserve.sim.acceptance import AcceptanceModel, builtin_pair_model, calibration_counts
 from sloserve.sim.step import SimStepRunner
 
 
@@ -86,7 +86,8 @@ class Simulator:
         self.stats.history = deque()  # unbounded: the simulator downsamples it for reports
         drafter = "ngram" if cfg.drafter == "ngram" else "model"
         spec = cfg.spec_policy if cfg.drafter != "none" else "ar"
-        self.policy = make_policy(spec, cost, k_max=cfg.k_max, drafter=drafter)
+        self.policy = make_policy(spec, cost, k_max=cfg.k_max, drafter=drafter,
+                                  calibration=calibration_counts(self.acceptance.calibration))
         self.runner = SimStepRunner(cfg, cost, self.policy, self.stats, max_context)
         self.now = 0.0
 

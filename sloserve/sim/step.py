@@ -97,6 +97,20 @@ class SimStepRunner:
         self.stats.requests_finished += 1
         self.finished.append(req)
 
+    def _prefill_draft(self, prefills) -> float:
+        """Seconds of the draft model reading this step's prefill chunks (the engine's
+        StepRunner._prefill_draft); 0 for model-free drafters."""
+        if not prefills or self.cfg.drafter != "model":
+            return 0.0
+        ctx = q = 0
+        for r, n in prefills:
+            end = r.kv_len + n
+            if r.draft_kv_len < end:
+                q += end - r.draft_kv_len
+                ctx += end
+                r.draft_kv_len = end
+        return self.cost.draft.time(ctx, q) if q else 0.0
+
     # ----- the step
     def step(self, now: float) -> float:
         """Run one step starting at simulated time `now`; 0.0 if nothing was scheduled."""
@@ -110,6 +124,7 @@ class SimStepRunner:
         for r, n in sched.prefills:
             n_ctx += r.kv_len + n
             n_q += n
+        draft_prefill = self._prefill_draft(sched.prefills) if self.speculative else 0.0
         draft = self._draft(decodes, n_q, n_ctx) if decodes and self.speculative else None
         ks = draft.k.tolist() if draft is not None else [0] * len(decodes)
         # target segments: start = kv_len, q = 1 + k; N_ctx counts start + q
@@ -118,7 +133,7 @@ class SimStepRunner:
         n_q += len(decodes) + k_sum
         t = self.cost.target
         draft_time = self.drafter.time if draft is not None else 0.0
-        dt = draft_time + t.time(n_ctx, n_q) + self.cost.overhead
+        dt = draft_prefill + draft_time + t.time(n_ctx, n_q) + self.cost.overhead
         end = now + dt
         for r, n in sched.prefills:
             r.kv_len += n

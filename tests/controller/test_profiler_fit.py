@@ -123,3 +123,36 @@ def test_read_rejects_other_files(tmp_path):
     bad.write_text(json.dumps({"schema": "something-else"}))
     with pytest.raises(ValueError):
         read_profile(bad)
+
+
+def test_profile_keeps_knee_and_calibration(tmp_path):
+    import dataclasses
+
+    counts = ((1.0, 9.0) + (5.0,) * 14, (0.0, 7.0) + (20.0,) * 14)
+    prof = dataclasses.replace(
+        make_profile(), target=ModelProfile("t", "ab", KNEE), calibration=counts)
+    back = read_profile(write_profile(prof, profile_path(tmp_path, prof)))
+    assert back.target.cost.q0 == KNEE.q0 and back.calibration == counts
+
+
+def test_calibration_seed_starts_the_map_and_outcomes_take_over():
+    from sloserve.drafter.registry import make_policy
+    from sloserve.estimator.acceptance import ConfidenceCalibrator
+    from sloserve.estimator.cost_model import CostModel
+
+    g = np.full(16, 0.8)  # this pair accepts 80% at every confidence
+    counts = np.stack([(1 - g) * 100, g * 100])
+    policy = make_policy("specserve", CostModel(TRUE, ForwardCost(1e-7, 1e-4, 4e-3)), k_max=4,
+                         calibration=counts)
+    # low-confidence bins start near 0.8, not at the identity's 0.16-0.47 (the prior remains)
+    assert np.all(policy.calibrator.table[2:8] > 0.65)
+    assert make_policy("fixed:2", CostModel(TRUE, TRUE), k_max=4, calibration=counts).name == "fixed:2"
+    cal = ConfidenceCalibrator()
+    cal.seed(counts)
+    conf = np.full((200, 1), 0.5)
+    for _ in range(20):  # then 4000 outcomes at confidence 0.5 with acceptance 0.3
+        accepted = (np.random.default_rng(_).random(200) < 0.3).astype(int)
+        cal.update(conf, np.ones(200, dtype=int), accepted)
+    assert float(cal(np.array([0.5]))[0]) == pytest.approx(0.3, abs=0.05)
+    with pytest.raises(ValueError):
+        cal.seed(np.zeros((2, 3)))

@@ -28,6 +28,8 @@ def brute_force(cost: CostModel, step: StepInfo, drafted, verified) -> float:
         else:
             ctx, q = (n[rows] + j - 1).sum(), len(rows)
         t += cost.draft.time(ctx, q)
+    if step.prefill_tokens:  # the draft model reads the prefill chunks too
+        t += cost.draft.time(step.prefill_context, step.prefill_tokens)
     q_verify = float(np.sum(np.asarray(verified) + 1)) + step.prefill_tokens
     t += cost.target.time(n.sum() + step.prefill_context, q_verify)
     return t + cost.overhead
@@ -75,9 +77,11 @@ def test_knee_makes_few_query_tokens_free():
 
 
 def test_plain_step_has_no_draft_forward_and_counts_prefill():
+    """Plain decoding: one target forward over decodes + prefill chunks, plus the draft model
+    reading the prefill chunks (the engine keeps the draft cache caught up)."""
     step = StepInfo(["a", "b"], np.array([100, 300]), np.full(2, np.inf), 4, 50, 70)
     zero = np.zeros(2, dtype=int)
-    expected = COST.target.time(400 + 70, 2 + 50) + COST.overhead
+    expected = COST.target.time(400 + 70, 2 + 50) + COST.draft.time(70, 50) + COST.overhead
     assert StepTimer(COST, step).plain == pytest.approx(expected)
     assert step_time(COST, step, zero, zero) == pytest.approx(expected)
 

@@ -33,10 +33,11 @@ def test_speculative_step_prices_draft_rounds_catch_up_and_verify():
     t, d, o = COST.target, COST.draft, COST.overhead
     sim = Simulator(cfg("fixed:2", k_max=4), COST, constant_acceptance(1.0))
     out = sim.run([SimRequest("a", 0.0, 10, 7)])
-    t1 = fwd(t, 10, 10) + o  # prefill -> token 1; num_tokens 11, kv 10, draft kv 0
-    # step 2: round 1 catches the draft up on all 11 tokens, round 2 feeds 1 draft token;
+    # prefill -> token 1, the draft reads the prompt too; num_tokens 11, kv 10, draft kv 10
+    t1 = fwd(t, 10, 10) + fwd(d, 10, 10) + o
+    # step 2: round 1 feeds the draft the one token it has not seen, round 2 1 draft token;
     # verify 1 + 2 tokens after kv 10; all accepted -> 3 tokens (4 total)
-    s2 = fwd(d, 11, 11) + fwd(d, 12, 1) + fwd(t, 13, 3) + o
+    s2 = fwd(d, 11, 1) + fwd(d, 12, 1) + fwd(t, 13, 3) + o
     # now num_tokens 14, kv 13, draft kv 12: round 1 feeds 2 tokens (last draft + bonus)
     s3 = fwd(d, 14, 2) + fwd(d, 15, 1) + fwd(t, 16, 3) + o  # 3 more tokens (7 total): done
     assert out[0].chunk_s == pytest.approx([t1, t1 + s2, t1 + s2 + s3], abs=1e-12)
@@ -51,8 +52,8 @@ def test_rejections_emit_one_token_and_roll_back():
     t, d, o = COST.target, COST.draft, COST.overhead
     sim = Simulator(cfg("fixed:3", k_max=4), COST, constant_acceptance(0.0))
     out = sim.run([SimRequest("a", 0.0, 5, 3)])
-    t1 = fwd(t, 5, 5) + o
-    s2 = fwd(d, 6, 6) + fwd(d, 7, 1) + fwd(d, 8, 1) + fwd(t, 9, 4) + o  # kv 5 + 1 + 3
+    t1 = fwd(t, 5, 5) + fwd(d, 5, 5) + o
+    s2 = fwd(d, 6, 1) + fwd(d, 7, 1) + fwd(d, 8, 1) + fwd(t, 9, 4) + o  # kv 5 + 1 + 3
     # output 2 tokens: num_tokens 7, kv 6, draft kv min(8, 6) = 6 -> catch up 1 token
     s3 = fwd(d, 7, 1) + fwd(d, 8, 1) + fwd(d, 9, 1) + fwd(t, 10, 4) + o
     assert out[0].chunk_s == pytest.approx([t1, t1 + s2, t1 + s2 + s3], abs=1e-12)
