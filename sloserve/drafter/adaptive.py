@@ -73,6 +73,8 @@ class AdaptiveDrafter:
         self.costs = np.zeros((0, 0))  # [k_max, B] StepTimer.draft_token_cost(j) rows
         self.ctx_costs = np.zeros((0, 0))  # [k_max, B] see _begin
         self.first_q = np.zeros(0)  # [B]
+        self.counts = np.zeros(0)  # [B] 1..B
+        self.linear = True  # no knee in either cost: _prefix_times' fast path
         self.k_total = 0
 
     def start(self, step: StepInfo, k_max: int) -> np.ndarray:
@@ -128,6 +130,8 @@ class AdaptiveDrafter:
         if k_max:
             self.ctx_costs[0] -= a_d * self.timer.lag
         self.first_q = 1.0 + self.timer.lag
+        self.counts = np.arange(1.0, B + 1.0)  # [B] prefix sizes
+        self.linear = self.cost.draft.q0 <= 0.0 and self.cost.target.q0 <= 0.0
 
     def plan_matches(self, confidences: np.ndarray, drafted: np.ndarray) -> bool:
         """True when P, tokens and time describe the engine's plan exactly: every drafted
@@ -174,14 +178,18 @@ class AdaptiveDrafter:
         requests of `order`: one more draft forward (its knee priced on the prefix's query
         tokens) and i + 1 more verified tokens (past the target's knee)."""
         d = self.cost.draft
+        if self.linear:  # no knee: the per-request linear costs add up exactly
+            time = self.costs[j].take(order)
+            time[0] += self.time + d.c
+            return time.cumsum()
         time = self.ctx_costs[j].take(order)  # [B] attention reads of the draft forward
         time[0] += self.time + d.c
         time = time.cumsum()
-        q = self.first_q.take(order).cumsum() if j == 0 else np.arange(1.0, order.size + 1.0)
+        q = self.first_q.take(order).cumsum() if j == 0 else self.counts
         time += d.b * np.maximum(q - d.q0, 0.0)
-        timer = self.timer
-        time += timer.verify_extra(self.k_total + np.arange(1.0, order.size + 1.0))
-        time -= timer.verify_extra(self.k_total)
+        # verify tokens still inside the target's knee, then token_time each
+        free = max(0.0, self.timer.free_verify - self.k_total)
+        time += self.timer.token_time * np.maximum(self.counts - free, 0.0)
         return time
 
     def _correct(self, j: int, conf: np.ndarray, drafting: np.ndarray) -> None:

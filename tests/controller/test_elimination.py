@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -13,6 +14,9 @@ from sloserve.estimator.step_time import StepTimer
 from sloserve.verifier.elimination import eliminate, eliminate_plan
 
 COST = cpu_cost_model()
+# the same costs with roofline knees (cost_model.py): a few verify / draft tokens are free
+KNEE = dataclasses.replace(COST, target=dataclasses.replace(COST.target, q0=6.0),
+                           draft=dataclasses.replace(COST.draft, q0=3.0))
 
 
 def efficiency(timer: StepTimer, P, drafted, k, slo=np.inf) -> float:
@@ -34,14 +38,15 @@ def test_removes_the_lowest_probability_tails():
     np.testing.assert_array_equal(k, [3, 2, 4])
 
 
+@pytest.mark.parametrize("cost", [COST, KNEE], ids=["linear", "knee"])
 @pytest.mark.parametrize("seed", range(30))
-def test_matches_brute_force_optimum(seed):
+def test_matches_brute_force_optimum(seed, cost):
     rng = np.random.default_rng(seed)
     B = int(rng.integers(1, 4))
     drafted = rng.integers(0, 5, B)
     P = chain_probs(rng.beta(2.0, 1.0, (B, 4)))
     P[np.arange(4)[None, :] >= drafted[:, None]] = 0.0
-    timer = StepTimer(COST, make_step(B, context=int(rng.integers(10, 5000))))
+    timer = StepTimer(cost, make_step(B, context=int(rng.integers(10, 5000))))
     k = eliminate_plan(timer, P, drafted, np.inf)
     assert np.all((0 <= k) & (k <= drafted))
     assert efficiency(timer, P, drafted, k) == pytest.approx(brute_force_best(timer, P, drafted))

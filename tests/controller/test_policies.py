@@ -20,6 +20,8 @@ from sloserve.estimator.step_time import StepTimer
 
 COST = cpu_cost_model()
 NGRAM_COST = CostModel(COST.target, ForwardCost.free(), COST.overhead)
+KNEE_COST = CostModel(ForwardCost(COST.target.a, COST.target.b, COST.target.c, q0=80.0),
+                      ForwardCost(COST.draft.a, COST.draft.b, COST.draft.c, q0=16.0), COST.overhead)
 
 
 class CheckingPolicy:
@@ -214,8 +216,9 @@ def test_empty_batch():
         assert k.shape == (0,)
 
 
+@pytest.mark.parametrize("cost", [COST, KNEE_COST], ids=["linear", "knee"])
 @pytest.mark.parametrize("seed", range(10))
-def test_specserve_incremental_plan_matches_the_reference(seed):
+def test_specserve_incremental_plan_matches_the_reference(seed, cost):
     """The drafter's running tokens / step time equal the non-incremental estimator, and
     the verifier's fast path (drafter state) equals the slow path (from confidences)."""
     rng = np.random.default_rng(seed)
@@ -226,7 +229,7 @@ def test_specserve_incremental_plan_matches_the_reference(seed):
         lag=rng.integers(0, 3, B),
         slo=np.where(rng.random(B) < 0.5, 0.4, np.inf),
     )
-    policy = SpecServePolicy(COST, 8, prior=float(rng.uniform(0.5, 0.95)))
+    policy = SpecServePolicy(cost, 8, prior=float(rng.uniform(0.5, 0.95)))
     work = SyntheticWorkload(rng)
     mean = rng.uniform(0.3, 0.99, B)
     conf = np.full((B, 8), np.nan)
@@ -239,7 +242,7 @@ def test_specserve_incremental_plan_matches_the_reference(seed):
         j += 1
         drafting = policy.extend(step, conf[:, :j], drafting)
     d = policy.drafter
-    timer = StepTimer(COST, step)
+    timer = StepTimer(cost, step)
     assert d.time == pytest.approx(timer.plan(drafted, drafted), rel=1e-9)
     P = chain_probs(policy.calibrator(conf[:, : max(j, 1)]))
     assert d.tokens == pytest.approx(B + P.sum(), rel=1e-9)
@@ -247,7 +250,7 @@ def test_specserve_incremental_plan_matches_the_reference(seed):
         assert d.time <= binding_slo(step)
     assert d.plan_matches(conf[:, : max(j, 1)], drafted)
     fast = policy.verify_lengths(step, conf[:, : max(j, 1)], drafted)
-    slow = SpecServePolicy(COST, 8, calibrator=policy.calibrator).verify_lengths(
+    slow = SpecServePolicy(cost, 8, calibrator=policy.calibrator).verify_lengths(
         step, conf[:, : max(j, 1)], drafted
     )
     np.testing.assert_array_equal(fast, slow)
