@@ -124,29 +124,40 @@ def measure_overhead(engine, cost_target: ForwardCost, batches=(1, 8), steps: in
     return max(0.0, statistics.median(resid))
 
 
-def measure_calibration(engine, k: int = 4, prompts: int = 16, tokens: int = 64) -> np.ndarray:
-    """[2, n_bins] confidence -> conditional acceptance outcomes of the engine's drafter:
-    greedy decoding of `prompts` ordinary prompts drafting and verifying k tokens a step,
-    each verified position up to the first rejection one sample (ConfidenceCalibrator.update).
-    The SpecServe policy starts its online map from these counts instead of the identity."""
+def measure_drafting(engine, draft_cost: ForwardCost, k: int = 4, prompts: int = 16,
+                     tokens: int = 64) -> tuple[np.ndarray, float]:
+    """Greedy decoding of `prompts` ordinary prompts drafting and verifying k tokens a step.
+    Returns the [2, n_bins] confidence -> conditional acceptance outcomes of the drafter (each
+    verified position up to the first rejection one sample, ConfidenceCalibrator.update),
+    which the SpecServe policy starts its online map from, and the median seconds a draft
+    round costs in the engine beyond the fitted forward (building segments, picking tokens
+    and confidences), which belong in the draft's per-forward cost c."""
     from sloserve.bench.common import ordinary_prompts
     from sloserve.drafter.fixed import FixedPolicy
     from sloserve.estimator.acceptance import ConfidenceCalibrator
+    from sloserve.estimator.step_time import draft_lag, draft_time
     from sloserve.runtime.engine import Engine
     from sloserve.runtime.request import SamplingParams
 
     calibrator = ConfidenceCalibrator(prior_weight=0.0)
+    residuals: list[float] = []
 
     class Recorder(FixedPolicy):
         def observe(self, step, outcome) -> None:
             calibrator.update(outcome.confidences, outcome.verified, outcome.accepted)
+            rounds = int(outcome.drafted.max(initial=0))
+            if rounds:
+                n = np.asarray(step.context_lens, dtype=np.float64)
+                predicted = draft_time(draft_cost, n, draft_lag(step), outcome.drafted)
+                residuals.append((outcome.draft_time - predicted) / rounds)
 
     k = max(1, min(k, engine.cfg.k_max))
     parts = replace(engine.parts, policy=Recorder(k, engine.cfg.k_max))
     eng = Engine(replace(engine.cfg, spec_policy=f"fixed:{k}"), parts=parts)
     texts = [eng.encode(p)[:256] for p in ordinary_prompts(prompts)]
     eng.generate(texts, SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True))
-    return calibrator.counts.copy()
+    overhead = max(0.0, statistics.median(residuals)) if residuals else 0.0
+    return calibrator.counts.copy(), overhead
 
 
 def build_profile(engine, grid: Grid, mode: str, log=print) -> tuple[Profile, dict]:
@@ -166,9 +177,13 @@ def build_profile(engine, grid: Grid, mode: str, log=print) -> tuple[Profile, di
     overhead = measure_overhead(engine, t_fit.cost)
     calibration = None
     if engine.runner.drafter is not None and engine.cfg.k_max > 0:
-        counts = measure_calibration(engine)
+        counts, round_cost = measure_drafting(engine, draft.cost)
         calibration = tuple(tuple(round(float(x), 3) for x in row) for row in counts)
-        log(f"  calibration: {int(counts.sum())} verified draft positions")
+        log(f"  calibration: {int(counts.sum())} verified draft positions; a draft round "
+            f"costs {round_cost * 1e3:.3f} ms beyond its forward (added to the draft's c)")
+        if parts.draft is not None:
+            c = draft.cost
+            draft = replace(draft, cost=ForwardCost(c.a, c.b, c.c + round_cost, c.q0))
     profile = Profile(
         target=ModelProfile(parts.target_path, fingerprint(parts.target_path), t_fit.cost, t_fit.stats),
         draft=draft, device=device_key(engine.cfg.device), dtype=engine.cfg.dtype,

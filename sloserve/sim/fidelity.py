@@ -9,9 +9,10 @@ prints mean E2E latency and mean TPOT, real vs simulated, with the relative erro
 (SmartSpec sec. 7.2: within 10% below saturation). Writes JSON (default
 out/sim_fidelity.json) with both summaries and the acceptance statistics of each side.
 
-Profile: --profile, else the one matching the built-in pair on this device under configs/
-or the user cache; if there is none the quick profiler runs first (about 2 minutes) and
-writes it. Both sides use that profile: the engine's policies score plans with it, the
+Profile: --profile FILE, or --profile fresh (the quick profiler runs first, in the same run:
+on a shared machine whose speed drifts, a profile measured minutes earlier misprices the
+replay), else the one matching the built-in pair on this device under configs/ or the user
+cache; if there is none the quick profiler runs first and writes it. Both sides use that profile: the engine's policies score plans with it, the
 simulator prices its steps with it. Acceptance: --acceptance, else
 out/bench_builtin_pair.json if present, else the built-in calibration.
 Prompts: Spec-Bench questions (ordinary text, like the calibration), tokenized once.
@@ -204,7 +205,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--policies", default="ar,fixed:3,specserve")
     ap.add_argument("--tpot-slo-ms", type=float, default=None, help="engine default TPOT SLO")
     ap.add_argument("--k-max", type=int, default=8)
-    ap.add_argument("--profile", default=None, help="cost profile of the built-in pair here")
+    ap.add_argument("--profile", default=None,
+                    help="cost profile of the built-in pair here, or 'fresh': run the quick "
+                         "profiler first, in this run (out/profiles/), so the profile and the "
+                         "replay see the machine in the same state")
     ap.add_argument("--acceptance", default=None, help="acceptance file for the simulator")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sim-seeds", type=int, default=5,
@@ -218,7 +222,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     base = EngineConfig(k_max=args.k_max,
                         tpot_slo=args.tpot_slo_ms / 1000 if args.tpot_slo_ms else None)
-    profile = args.profile or find_or_measure_profile(base)
+    if args.profile == "fresh":
+        from sloserve.profiler.__main__ import main as profile_main
+
+        profile = str(profile_main(["--quick", "--out-dir", str(REPO / "out")]))
+    else:
+        profile = args.profile or find_or_measure_profile(base)
     cfg = dataclasses.replace(base, profile_path=profile)
     acceptance = args.acceptance or (str(DEFAULT_ACCEPTANCE) if DEFAULT_ACCEPTANCE.is_file()
                                      else None)
