@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
 import time
 
 import httpx
@@ -85,7 +86,16 @@ def test_disconnect_non_streaming_and_before_reading(live, client):
         while client.get("/server_info").json()["num_requests_running"] == 0:
             assert time.monotonic() < deadline, "the request never ran"
             time.sleep(0.01)
+        # hold the engine between steps so the request cannot finish before the server
+        # notices the disconnect (the tiny pair decodes 1000 tokens in well under a second)
+        gate, held = threading.Event(), threading.Event()
+        live.state.aengine.call(lambda e, held=held, gate=gate: (held.set(), gate.wait(20)))
+        assert held.wait(20)
         sock.close()  # gone while its request runs
+        while live.state.aengine._cmds.empty():  # the server queues the abort
+            assert time.monotonic() < deadline, "the disconnect was never noticed"
+            time.sleep(0.01)
+        gate.set()
     info = live.wait_idle()
     assert info["kv_pool"]["used_blocks"] == 0
     assert info["engine_stats"]["requests_aborted"] - before == 2
