@@ -126,7 +126,8 @@ def measure_overhead(engine, cost_target: ForwardCost, batches=(1, 8), steps: in
 
 def measure_drafting(engine, draft_cost: ForwardCost, k: int = 4, prompts: int = 16,
                      tokens: int = 64) -> tuple[np.ndarray, float]:
-    """Greedy decoding of `prompts` ordinary prompts drafting and verifying k tokens a step.
+    """Greedy decoding of ordinary prompts drafting and verifying k tokens a step, at batch 1,
+    prompts / 4 and prompts.
     Returns the [2, n_bins] confidence -> conditional acceptance outcomes of the drafter (each
     verified position up to the first rejection one sample, ConfidenceCalibrator.update),
     which the SpecServe policy starts its online map from, and the median seconds a draft
@@ -155,7 +156,9 @@ def measure_drafting(engine, draft_cost: ForwardCost, k: int = 4, prompts: int =
     parts = replace(engine.parts, policy=Recorder(k, engine.cfg.k_max))
     eng = Engine(replace(engine.cfg, spec_policy=f"fixed:{k}"), parts=parts)
     texts = [eng.encode(p)[:256] for p in ordinary_prompts(prompts)]
-    eng.generate(texts, SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True))
+    params = SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True)
+    for b in sorted({1, max(1, prompts // 4), prompts}):  # small and large draft batches
+        eng.generate(texts[:b], params)
     overhead = max(0.0, statistics.median(residuals)) if residuals else 0.0
     return calibrator.counts.copy(), overhead
 
