@@ -31,6 +31,8 @@ each call is a fixed handful of numpy operations, independent of B in count.
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 
 from sloserve.drafter.policy import StepInfo, VerifyOutcome
@@ -52,6 +54,8 @@ class AdaptiveDrafter:
         ema: float = 0.3,
         collapse: float = 0.05,
         start_margin: float = 0.05,
+        overrun_window: int = 64,
+        initial_overrun: float = 1.3,
         prior: float = 0.6,
         prior_ema: float = 0.05,
     ) -> None:
@@ -62,6 +66,13 @@ class AdaptiveDrafter:
         # speculation starts only if its predicted E beats plain decoding by this fraction:
         # a smaller predicted gain is inside the cost model's error (MAPE 7-12% on the CPU)
         self.start_margin = start_margin
+        # worst-case guard: the SLO rule compares predicted step times against
+        # SLO / slo_scale, slo_scale = the largest measured / predicted time of the last
+        # `overrun_window` speculative steps (clipped to [1, 2]), so a cost model that
+        # under-prices the slowest steps does not let them break the SLO
+        # (until measured, steps are assumed to run up to `initial_overrun` x the model)
+        self.overruns: deque[float] = deque([initial_overrun], maxlen=overrun_window)
+        self.slo_scale = initial_overrun
         self.prior = prior  # global EMA of g(c): the prediction for new requests
         self.prior_ema = prior_ema
         self.history = RequestTable()  # per-request EMA of g(confidence)
@@ -102,9 +113,14 @@ class AdaptiveDrafter:
         return self._grow(j, self.p_last >= self.collapse)
 
     def observe(self, step: StepInfo, outcome: VerifyOutcome) -> None:
-        """Calibrate g, keep the per-request histories, refresh the global prior."""
+        """Calibrate g, keep the per-request histories, refresh the global prior, and track
+        how much longer speculative steps ran than the cost model said (the SLO guard)."""
         conf = np.asarray(outcome.confidences, dtype=np.float64)
         self.g.update(conf, outcome.verified, outcome.accepted)
+        if outcome.step_time > 0.0 and np.any(outcome.drafted > 0):
+            predicted = StepTimer(self.cost, step).plan(outcome.drafted, outcome.verified)
+            self.overruns.append(outcome.step_time / predicted if predicted > 0 else 1.0)
+            self.slo_scale = min(2.0, max(1.0, max(self.overruns)))
         if self.step is step and step.batch_size:
             self.history.values[self.slots] = self.pred
             # the prior follows the mean prediction over the live requests
@@ -118,7 +134,7 @@ class AdaptiveDrafter:
         self.step = step
         self.timer = StepTimer(self.cost, step)
         self.k_max = k_max
-        self.slo = binding_slo(step)
+        self.slo = binding_slo(step) / self.slo_scale
         self.slots = self.history.slots(step.request_ids, fill=self.prior)
         self.pred = self.history.values[self.slots]  # fancy index: a copy
         self.p_last = np.ones(B)

@@ -71,7 +71,8 @@ class SpecServePolicy(SpecPolicy):
             )
         # P from the real confidences: exact even if the engine drafted other than planned
         P = chain_probs(self.calibrator(confidences))  # [B, s]
-        return eliminate_plan(StepTimer(self.cost, step), P, drafted, binding_slo(step))
+        slo = binding_slo(step) / self.drafter.slo_scale
+        return eliminate_plan(StepTimer(self.cost, step), P, drafted, slo)
 
     def observe(self, step: StepInfo, outcome: VerifyOutcome) -> None:
         self.drafter.observe(step, outcome)

@@ -62,8 +62,9 @@ def specserve_drafts(
     B: int, ctx: int, conf: float, slo: float | np.ndarray = np.inf, cost: CostModel = COST
 ) -> np.ndarray:
     """[B] tokens SpecServe drafts per request when every draft token has confidence `conf`
-    (identity calibration: acceptance = conf)."""
-    policy = SpecServePolicy(cost, 8, prior=conf)
+    (identity calibration: acceptance = conf). The paper's rule exactly: no start margin and
+    no overrun guard (both tested in test_policies.py)."""
+    policy = SpecServePolicy(cost, 8, prior=conf, start_margin=0.0, initial_overrun=1.0)
     step = make_step(B, context=ctx, slo=slo)
     drafting = policy.start(step)
     conf_m = np.full((B, 8), np.nan)

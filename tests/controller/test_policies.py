@@ -275,3 +275,24 @@ def test_specserve_catches_up_when_the_engine_skips_the_last_extend():
     assert d.plan_matches(conf, drafted)
     assert d.tokens == pytest.approx(B + chain_probs(policy.calibrator(conf)).sum(), rel=1e-9)
     np.testing.assert_array_equal(k, [2, 2, 2, 2])  # the hopeless tail is trimmed
+
+
+def test_slo_guard_learns_how_much_steps_overrun_the_cost_model():
+    """Worst-case SLO rule: once speculative steps measured 1.5x their predicted time, a plan
+    predicted to fit the SLO with less than that headroom is refused."""
+    timer = StepTimer(COST, make_step(8))
+    slo = 1.4 * timer.uniform(4)[1]  # k = 1 fits the SLO by 40% on the model (guard: 30%)
+    step = make_step(8, slo=np.full(8, slo))
+    policy = SpecServePolicy(COST, 4, prior=0.95, start_margin=0.0)
+    assert policy.start(step).all()
+    ones = np.ones(8, dtype=np.int64)
+    predicted = StepTimer(COST, step).plan(ones, ones)
+    policy.observe(step, VerifyOutcome(drafted=ones, verified=ones, accepted=ones,
+                                       confidences=np.full((8, 1), 0.9),
+                                       step_time=1.5 * predicted, draft_time=0.0))
+    assert policy.drafter.slo_scale == pytest.approx(1.5)
+    step = make_step(8, slo=np.full(8, slo))
+    later = policy.start(step).astype(np.int64)
+    assert later.sum() < 8  # the full k = 1 plan no longer fits SLO / 1.5 ...
+    assert StepTimer(COST, step).plan(later, later) <= slo / 1.5  # ... a smaller one does
+    assert policy.start(make_step(8)).all()  # no SLO: speculation is still on
