@@ -118,7 +118,8 @@ class AdaptiveDrafter:
         conf = np.asarray(outcome.confidences, dtype=np.float64)
         self.g.update(conf, outcome.verified, outcome.accepted)
         if outcome.step_time > 0.0 and np.any(outcome.drafted > 0):
-            predicted = StepTimer(self.cost, step).plan(outcome.drafted, outcome.verified)
+            timer = self.timer if self.step is step else StepTimer(self.cost, step)
+            predicted = timer.plan(outcome.drafted, outcome.verified)
             self.overruns.append(outcome.step_time / predicted if predicted > 0 else 1.0)
             self.slo_scale = min(2.0, max(1.0, max(self.overruns)))
         if self.step is step and step.batch_size:
