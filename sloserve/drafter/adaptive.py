@@ -117,8 +117,11 @@ class AdaptiveDrafter:
         how much longer speculative steps ran than the cost model said (the SLO guard)."""
         conf = np.asarray(outcome.confidences, dtype=np.float64)
         self.g.update(conf, outcome.verified, outcome.accepted)
-        if outcome.step_time > 0.0 and np.any(outcome.drafted > 0):
-            timer = self.timer if self.step is step else StepTimer(self.cost, step)
+        # overruns matter only to the SLO rule: measured on steps that have an SLO
+        tracked = self.step is step
+        has_slo = self.slo < float("inf") if tracked else binding_slo(step) < float("inf")
+        if has_slo and outcome.step_time > 0.0 and np.any(outcome.drafted > 0):
+            timer = self.timer if tracked else StepTimer(self.cost, step)
             predicted = timer.plan(outcome.drafted, outcome.verified)
             self.overruns.append(outcome.step_time / predicted if predicted > 0 else 1.0)
             self.slo_scale = min(2.0, max(1.0, max(self.overruns)))
