@@ -22,8 +22,9 @@ the draft batch, which makes the remaining draft forwards cheaper.
 `start` is the same decision at j = 0: draft at all only if one draft step is predicted to
 beat plain decoding within the SLO, by at least `start_margin` (default 5%): a smaller
 predicted gain is within the profiled cost model's error, and there speculating costs more
-than it can win (measured at batch 32 on the CPU: 0.90x ar at mean k 1.46). E over k is unimodal, so stopping at the first step that
-does not raise E is where the search would stop anyway.
+than it can win (measured at batch 32 on the CPU: 0.90x ar at mean k 1.46). E over k is
+unimodal, so stopping at the first step that does not raise E is where the search would stop
+anyway.
 
 Per-step state is cached (StepTimer sums, the binding SLO, P, the plan's tokens and time), so
 each call is a fixed handful of numpy operations, independent of B in count.

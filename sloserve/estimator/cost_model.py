@@ -27,7 +27,7 @@ class ForwardCost:
     q0: float = 0.0  # query tokens a pass computes for the fixed cost alone (the knee)
 
     def time(self, n_ctx: float, n_q: float) -> float:
-        return self.a * n_ctx + self.b * max(0.0, n_q - self.q0) + self.c
+        return self.a * n_ctx + self.b * self.paid(n_q) + self.c
 
     def paid(self, n_q: float) -> float:
         """Query tokens of a pass that cost b each: max(0, n_q - q0)."""

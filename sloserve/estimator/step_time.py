@@ -51,8 +51,8 @@ def draft_time(draft: ForwardCost, n: np.ndarray, lag: np.ndarray, steps: np.nda
     lag_drafting = float(lag[s > 0].sum())
     ctx = float(s @ n) + float(s @ (s - 1.0)) * 0.5 - lag_drafting
     if draft.q0 > 0.0:  # the knee applies per forward: B_j = requests drafting step j
-        batch_j = np.bincount(s.astype(np.int64), minlength=int(n_fwd) + 1)[::-1].cumsum()[::-1][1:]
-        batch_j = batch_j.astype(np.float64)  # [n_fwd]
+        rounds = np.arange(1.0, n_fwd + 1.0)  # [n_fwd]
+        batch_j = (s[None, :] >= rounds[:, None]).sum(axis=1).astype(np.float64)  # [n_fwd]
         batch_j[0] += lag_drafting
         q = float(np.maximum(batch_j - draft.q0, 0.0).sum())
     else:

@@ -1,5 +1,6 @@
 """python -m sloserve.profiler: profile draft and target forwards on this device, fit the cost
-model T = a*N_ctx + b*max(0, N_q - q0) + c per model, print R^2 and MAPE, write the profile file.
+model T = a*N_ctx + b*max(0, N_q - q0) + c per model, print R^2 and MAPE, record the pair's
+confidence -> acceptance outcomes and draft-round cost, write the profile file.
 
     python -m sloserve.profiler --quick            # built-in pair, CPU quick mode (< 2 min)
     python -m sloserve.profiler --model-path M --draft-model-path D --out-dir configs
@@ -49,7 +50,8 @@ def main(argv=None) -> Path:
             continue
         c = m.cost
         print(f"{name}: a={c.a * 1e9:.2f} ns/ctx-token  b={c.b * 1e6:.2f} us/query-token  "
-              f"c={c.c * 1e3:.3f} ms  q0={c.q0:g} query tokens   R^2={m.fit.r2:.4f}  MAPE={100 * m.fit.mape:.1f}%  "
+              f"c={c.c * 1e3:.3f} ms  q0={c.q0:g} query tokens   "
+              f"R^2={m.fit.r2:.4f}  MAPE={100 * m.fit.mape:.1f}%  "
               f"(n={m.fit.n_samples})")
     print(f"step overhead outside forwards: {profile.overhead * 1e3:.3f} ms")
     out = write_profile(profile, profile_path(args.out_dir, profile))

@@ -106,7 +106,8 @@ def profile_model(runner: ModelRunner, alloc: BlockAllocator, grid: Grid, log=pr
     return fit_forward_cost(samples), samples
 
 
-def measure_overhead(engine, cost_target: ForwardCost, batches=(1, 2, 4, 8), steps: int = 16) -> float:
+def measure_overhead(engine, cost_target: ForwardCost, batches=(1, 2, 4, 8),
+                     steps: int = 16) -> float:
     """Median (engine step time - predicted target forward) over plain decode steps."""
     from sloserve.runtime.request import SamplingParams
 

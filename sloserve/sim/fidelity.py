@@ -12,8 +12,8 @@ out/sim_fidelity.json) with both summaries and the acceptance statistics of each
 Profile: --profile FILE, or --profile fresh (the quick profiler runs first, in the same run:
 on a shared machine whose speed drifts, a profile measured minutes earlier misprices the
 replay), else the one matching the built-in pair on this device under configs/ or the user
-cache; if there is none the quick profiler runs first and writes it. Both sides use that profile: the engine's policies score plans with it, the
-simulator prices its steps with it. Acceptance: --acceptance, else
+cache; if there is none the quick profiler runs first and writes it. Both sides use that
+profile: the engine's policies score plans with it, the simulator prices its steps with it. Acceptance: --acceptance, else
 out/bench_builtin_pair.json if present, else the built-in calibration.
 Prompts: Spec-Bench questions (ordinary text, like the calibration), tokenized once.
 """
@@ -89,8 +89,8 @@ def serving_scale(cfg: EngineConfig, profile: str, batches=(1, 4), tokens: int =
     asyncio client, what the in-process replay measures), on a calibration run separate
     from the workload: B identical requests decode in lockstep; the median gap between one
     request's chunks is the step time. The profiler times forwards on the main thread only;
-    this ratio is what the serving path adds (GIL hand-offs, the engine thread's slower
-    intra-op threads on a 2-core CPU)."""
+    this ratio is what the serving path adds (the engine thread, GIL hand-offs to the
+    client), plus whatever the machine's speed drifted since the profile was measured."""
     import asyncio
     import statistics
 
