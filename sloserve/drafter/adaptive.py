@@ -43,6 +43,10 @@ from sloserve.estimator.cost_model import CostModel
 from sloserve.estimator.efficiency import SLO_VIOLATION, binding_slo
 from sloserve.estimator.step_time import StepTimer
 
+# prefix sums without ndarray.cumsum's dispatch overhead (~1 us per call at B = 64; the
+# drafter runs a few per draft forward)
+_accumulate = np.add.accumulate
+
 
 class AdaptiveDrafter:
     """Step-level draft length control, per request, with per-step cached state."""
@@ -89,9 +93,10 @@ class AdaptiveDrafter:
         # [k_max, B] chain probabilities, position-major; +inf where not drafted
         self.P = np.zeros((0, 0))
         self.costs = np.zeros((0, 0))  # [k_max, B] StepTimer.draft_token_cost(j) rows
-        self.ctx_costs = np.zeros((0, 0))  # [k_max, B] see _begin
+        self.ctx_costs = np.zeros((0, 0))  # [k_max, B] see _begin (knee costs only)
         self.first_q = np.zeros(0)  # [B]
         self.counts = np.zeros(0)  # [B] 1..B
+        self.ones = np.zeros(0)  # [B] ones: x.dot(ones) sums x faster than x.sum()
         self.linear = True  # no knee in either cost: _prefix_times' fast path
         self.k_total = 0
 
@@ -129,7 +134,8 @@ class AdaptiveDrafter:
         if self.step is step and step.batch_size:
             self.history.values[self.slots] = self.pred
             # the prior follows the mean prediction over the live requests
-            self.prior += self.prior_ema * (float(self.pred.mean()) - self.prior)
+            mean = float(self.pred.dot(self.ones)) / step.batch_size
+            self.prior += self.prior_ema * (mean - self.prior)
 
     def release(self, request_id: str) -> None:
         self.history.release(request_id)
@@ -145,11 +151,19 @@ class AdaptiveDrafter:
         self.p_last = np.ones(B)
         self.tokens = float(B)  # plain decoding: one token each
         self.time = self.timer.plain
-        self.P = np.full((k_max, B), np.inf)
+        if self.P.shape == (k_max, B):  # steady decoding: reuse last step's buffer
+            self.P.fill(np.inf)
+        else:
+            self.P = np.full((k_max, B), np.inf)
+            self.ones = np.ones(B)
+            self.counts = np.arange(1.0, B + 1.0)  # [B] prefix sizes
         self.costs = self.timer.draft_token_costs(k_max)  # [k_max, B] per-token seconds
         if self.cost.draft.b + self.cost.target.b <= 0.0:  # free tokens: keep gain/cost finite
             self.costs = np.maximum(self.costs, 1e-12)
         self.k_total = 0  # draft tokens in the plan (all verified)
+        self.linear = self.cost.draft.q0 <= 0.0 and self.cost.target.q0 <= 0.0
+        if self.linear:  # no knee: the per-request linear costs add up exactly
+            return
         # [k_max, B] draft forward attention seconds per request at position j + 1 (the first
         # forward reads n - lag KV tokens) and [B] query tokens it feeds at j = 0 (lag + 1)
         a_d = self.cost.draft.a
@@ -157,18 +171,16 @@ class AdaptiveDrafter:
         if k_max:
             self.ctx_costs[0] -= a_d * self.timer.lag
         self.first_q = 1.0 + self.timer.lag
-        self.counts = np.arange(1.0, B + 1.0)  # [B] prefix sizes
-        self.linear = self.cost.draft.q0 <= 0.0 and self.cost.target.q0 <= 0.0
 
     def plan_matches(self, confidences: np.ndarray, drafted: np.ndarray) -> bool:
         """True when P, tokens and time describe the engine's plan exactly: every drafted
         position went through `extend`. An engine that skips the `extend` after the last
         draft forward is caught up here from `confidences` (that position was planned)."""
-        s = int(drafted.max(initial=0))
+        s = int(drafted[drafted.argmax()]) if drafted.size else 0
         if s > self.P.shape[0]:
             return False
         missing = drafted - np.isfinite(self.P[:s]).sum(axis=0)  # [B]
-        if not missing.any():
+        if not np.count_nonzero(missing):
             return True
         last = missing == 1
         if missing.min() < 0 or missing.max() > 1 or not np.all(drafted[last] == s):
@@ -185,7 +197,7 @@ class AdaptiveDrafter:
         order = (gain / cost).argsort()[::-1]  # best tokens per second first
         tokens = gain.take(order)
         tokens[0] += self.tokens  # so the prefix sums start from the current plan
-        tokens = tokens.cumsum()  # [B] plan with the first i + 1 of order
+        _accumulate(tokens, out=tokens)  # [B] plan with the first i + 1 of order
         time = self._prefix_times(j, order)
         e = tokens / time  # E of each prefix
         if self.slo < float("inf"):
@@ -211,11 +223,11 @@ class AdaptiveDrafter:
         if self.linear:  # no knee: the per-request linear costs add up exactly
             time = self.costs[j].take(order)
             time[0] += self.time + d.c
-            return time.cumsum()
+            return _accumulate(time, out=time)
         time = self.ctx_costs[j].take(order)  # [B] attention reads of the draft forward
         time[0] += self.time + d.c
-        time = time.cumsum()
-        q = self.first_q.take(order).cumsum() if j == 0 else self.counts
+        _accumulate(time, out=time)
+        q = _accumulate(self.first_q.take(order)) if j == 0 else self.counts
         time += d.b * np.maximum(q - d.q0, 0.0)
         # verify tokens still inside the target's knee, then token_time each
         free = max(0.0, self.timer.free_verify - self.k_total)
@@ -229,8 +241,7 @@ class AdaptiveDrafter:
         p *= drafting
         self.p_last = p
         np.copyto(self.P[j - 1], p, where=drafting)
-        self.tokens += float(p.sum())
-        delta = acc - self.pred  # the EMA moves only for requests that drafted
-        delta *= drafting
+        self.tokens += float(p.dot(self.ones))  # p.sum(), without a reduction's overhead
+        delta = acc - self.pred
         delta *= self.ema
-        self.pred += delta
+        np.add(self.pred, delta, out=self.pred, where=drafting)  # only requests that drafted

@@ -77,6 +77,7 @@ class StepTimer:
         self.batch_size = step.batch_size
         self.n = np.asarray(step.context_lens, dtype=np.float64)  # [B] target KV lengths
         self.lag = draft_lag(step)  # [B]
+        self.has_lag = bool(np.count_nonzero(self.lag))
         self.verify_ctx = float(self.n.sum()) + float(step.prefill_context)
         self.verify_q0 = float(self.batch_size + step.prefill_tokens)  # query tokens at k = 0
         # T of plain decoding (k = 0 for all, no draft forward); a speculating engine's draft
@@ -112,9 +113,10 @@ class StepTimer:
         verifying it, excluding the draft forward's fixed cost c, as if no knee: the linear
         part that ranks requests (the adaptive drafter prices the knees exactly per plan)."""
         d = self.cost.draft
-        j = np.arange(k_max, dtype=np.float64)[:, None]  # [k_max, 1]
-        cost = d.a * (self.n + j) + (d.b + self.token_time)  # [k_max, B]
-        if k_max and self.lag.any():
+        row = d.a * self.n  # [B] j = 0 part, then + a_d j per later position
+        row += d.b + self.token_time
+        cost = row + (d.a * np.arange(k_max, dtype=np.float64))[:, None]  # [k_max, B]
+        if k_max and self.has_lag:
             cost[0] += (d.b - d.a) * self.lag
         return cost
 

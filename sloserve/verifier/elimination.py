@@ -59,21 +59,27 @@ def eliminate_padded(
     token_time: float,
     slo: float,
     paid_tokens: float = float("inf"),
+    n_drafted: int | None = None,
 ) -> np.ndarray:
     """`eliminate` for a P that is +inf exactly past each row's drafted tokens (the adaptive
-    drafter keeps it that way), which saves building the candidate list."""
+    drafter keeps it that way), which saves building the candidate list. n_drafted:
+    drafted.sum() when the caller has it."""
     B, s = P.shape
-    n = int(drafted.sum())  # candidates: the finite entries
+    n = int(drafted.sum()) if n_drafted is None else n_drafted  # candidates: finite entries
     f_order = P.flags.f_contiguous and not P.flags.c_contiguous  # e.g. a transposed view
     flat = P.ravel(order="F" if f_order else "C")  # a view when P is contiguous either way
     order = flat.argsort()[:n]  # flat indices, ascending P; a row loses its tail
     p_sorted = flat.take(order)  # [n]
     # state before removing candidate i: tokens_prev[i], time_prev[i]
-    tokens_prev = (tokens + p_sorted) - p_sorted.cumsum()  # [n]
+    tokens_prev = (tokens + p_sorted) - np.add.accumulate(p_sorted)  # [n]
     removed = np.arange(n, dtype=np.float64)  # [n] removals made before candidate i
-    saving = np.where(removed < paid_tokens, token_time, 0.0)  # [n] seconds removing i saves
-    time_prev = step_time - token_time * np.minimum(removed, paid_tokens)  # [n]
-    remove = p_sorted * time_prev < saving * tokens_prev  # P < saving * E_prev
+    if paid_tokens >= n:  # every removal saves token_time (no knee in reach)
+        time_prev = step_time - token_time * removed  # [n]
+        remove = p_sorted * time_prev < token_time * tokens_prev  # P < token_time * E_prev
+    else:
+        saving = np.where(removed < paid_tokens, token_time, 0.0)  # [n] seconds removing i saves
+        time_prev = step_time - token_time * np.minimum(removed, paid_tokens)  # [n]
+        remove = p_sorted * time_prev < saving * tokens_prev  # P < saving * E_prev
     if slo < float("inf"):
         remove |= time_prev > slo  # the SLO rule: remove regardless
     n_remove = int(remove.argmin()) if n else 0
