@@ -26,14 +26,26 @@ from sloserve.runtime.sampler import draw, processed_probs
 
 @dataclass
 class DraftResult:
-    tokens: list[list[int]]  # [B][s_r] proposed tokens
+    tokens: np.ndarray  # [B, k_max] int64 proposed tokens; row r valid up to drafted[r]
+    drafted: np.ndarray  # [B] int64 s_r: draft tokens proposed per request
     confidences: np.ndarray  # [B, s_max] float, NaN beyond s_r
-    q: list[list[torch.Tensor]]  # [B][s_r] processed draft distributions (sampling requests)
+    # [B][s_r] processed draft distributions of sampling requests; None when no request sampled
+    q: list[list[torch.Tensor]] | None
     k: np.ndarray  # [B] verify lengths chosen by the policy
     draft_time: float = 0.0  # wall time of the drafting loop (forwards + policy calls)
     policy_time: float = 0.0  # wall time inside the policy's start/extend/verify_lengths
     forwards: int = 0
     batch_sizes: list[int] = field(default_factory=list)  # requests per draft forward
+
+
+@dataclass
+class DraftRound:
+    """One draft forward's proposals for the n requests it ran on, column by column."""
+
+    tokens: list[int] | np.ndarray  # [n] proposed token (any value where missing)
+    conf: list[float] | np.ndarray  # [n] its confidence (any value where missing)
+    q: list[torch.Tensor | None] | None = None  # [n] processed distributions, sampling rows
+    missing: list[int] | None = None  # positions in 0..n-1 with no proposal (n-gram misses)
 
 
 class Drafter:
@@ -58,81 +70,102 @@ class Drafter:
         idx.extend(req.all_ids[len(idx.tokens) :])
         return idx
 
-    def step(self, reqs: list[Request], drafts: list[list[int]]) -> list[tuple[int, float, torch.Tensor | None] | None]:
-        """One draft token for each request (given its drafts so far this step).
-        Returns per request (token, confidence, q) or None when the drafter has no proposal."""
+    def step(self, reqs: list[Request], drafts: np.ndarray) -> DraftRound:
+        """One draft token for each request. drafts: [n, j] int64, the j tokens each request
+        drafted so far this step (every request in a draft forward has drafted the same
+        number: a request that stops never restarts within the step)."""
         if self.runner is None:
-            out = []
-            for req, d in zip(reqs, drafts):
+            tokens, conf, missing = [], [], []
+            for m, (req, d) in enumerate(zip(reqs, drafts.tolist())):
                 prop = self._index(req).propose((req.all_ids + d)[-self.ngram_n :])
-                out.append(None if prop is None else (prop[0], prop[1], None))
-            return out
-        segs = []
-        for req, d in zip(reqs, drafts):
-            if d:  # feed the previous draft token
-                segs.append(Segment(req.blocks, req.draft_kv_len, [d[-1]]))
-            else:  # catch up on everything the draft cache has not seen
-                segs.append(Segment(req.blocks, req.draft_kv_len, req.all_ids[req.draft_kv_len :]))
+                if prop is None:
+                    missing.append(m)
+                    prop = (0, math.nan)
+                tokens.append(prop[0])
+                conf.append(prop[1])
+            return DraftRound(tokens, conf, None, missing or None)
+        if drafts.shape[1]:  # feed each request's previous draft token
+            segs = [Segment(req.blocks, req.draft_kv_len, [t])
+                    for req, t in zip(reqs, drafts[:, -1].tolist())]
+        else:  # catch up on everything the draft cache has not seen
+            segs = [Segment(req.blocks, req.draft_kv_len, req.all_ids[req.draft_kv_len :])
+                    for req in reqs]
         logits, _ = self.runner.forward(segs)
         for req, seg in zip(reqs, segs):
             req.draft_kv_len = seg.kv_len
         return self._pick(reqs, logits)
 
     @staticmethod
-    def _pick(reqs: list[Request], logits: torch.Tensor):
-        out: list = [None] * len(reqs)
+    def _pick(reqs: list[Request], logits: torch.Tensor) -> DraftRound:
         greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
+        if len(greedy) == len(reqs):  # the common case: no per-row work
+            conf, tok = torch.softmax(logits, dim=-1).max(dim=-1)
+            return DraftRound(tok.tolist(), conf.tolist())
+        tokens, confs = [0] * len(reqs), [0.0] * len(reqs)
+        q: list[torch.Tensor | None] = [None] * len(reqs)
         if greedy:
-            probs = torch.softmax(logits[greedy], dim=-1)
-            conf, tok = probs.max(dim=-1)
+            conf, tok = torch.softmax(logits[greedy], dim=-1).max(dim=-1)
             for i, t, c in zip(greedy, tok.tolist(), conf.tolist()):
-                out[i] = (t, c, None)
+                tokens[i], confs[i] = t, c
         sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
-        if sampled:
-            q = processed_probs(logits[sampled], [reqs[i].params for i in sampled])
-            for j, i in enumerate(sampled):
-                t = draw(q[j], reqs[i].generator)
-                out[i] = (t, float(q[j, t]), q[j])
-        return out
+        probs = processed_probs(logits[sampled], [reqs[i].params for i in sampled])
+        for j, i in enumerate(sampled):
+            t = draw(probs[j], reqs[i].generator)
+            tokens[i], confs[i], q[i] = t, float(probs[j, t]), probs[j]
+        return DraftRound(tokens, confs, q)
 
 
 def run_drafting(drafter: Drafter, policy: SpecPolicy, reqs: list[Request], step: StepInfo) -> DraftResult:
     """Draft rounds for the decode batch as the policy steers them, then its verify lengths."""
     B, k_max = len(reqs), step.k_max
-    tokens: list[list[int]] = [[] for _ in range(B)]
-    q: list[list] = [[] for _ in range(B)]
-    conf = np.full((B, k_max), np.nan)
-    res = DraftResult(tokens, conf, q, np.zeros(B, dtype=np.int64))
+    tokens = np.zeros((B, k_max), dtype=np.int64)
+    conf = np.full((B, k_max), np.nan)  # NaN exactly where nothing was drafted
+    res = DraftResult(tokens, np.zeros(B, dtype=np.int64), conf, None,
+                      np.zeros(B, dtype=np.int64))
     t0 = time.perf_counter()
     active = np.asarray(policy.start(step), dtype=bool).copy() if k_max > 0 else np.zeros(B, bool)
     res.policy_time += time.perf_counter() - t0
     j = 0
-    while active.any() and j < k_max:
-        rows = np.flatnonzero(active)
-        props = drafter.step([reqs[i] for i in rows], [tokens[i] for i in rows])
+    # few numpy calls per round: this runs per draft round of every step, mostly at small
+    # batch sizes where each call's fixed cost dominates (the simulator's hot path)
+    while j < k_max:
+        rows = active.nonzero()[0]  # [n]; all of them drafted exactly j tokens so far
+        if not len(rows):
+            break
+        rnd = drafter.step([reqs[i] for i in rows.tolist()], tokens[rows, :j])
         res.forwards += 1
         res.batch_sizes.append(len(rows))
-        for i, prop in zip(rows, props):
-            if prop is None:
-                active[i] = False
-                continue
-            tokens[i].append(prop[0])
-            conf[i, j] = prop[1]
-            if prop[2] is not None:
-                q[i].append(prop[2])
+        if rnd.q is not None:
+            if res.q is None:
+                res.q = [[] for _ in range(B)]
+            for i, qi in zip(rows.tolist(), rnd.q):
+                if qi is not None:
+                    res.q[i].append(qi)
+        if rnd.missing:  # no proposal: those requests stop drafting
+            active[rows[rnd.missing]] = False
+            keep = np.ones(len(rows), dtype=bool)
+            keep[rnd.missing] = False
+            rows = rows[keep]
+            tokens[rows, j] = np.asarray(rnd.tokens)[keep]
+            conf[rows, j] = np.asarray(rnd.conf, dtype=np.float64)[keep]
+        else:
+            tokens[rows, j] = rnd.tokens
+            conf[rows, j] = rnd.conf
         j += 1
-        if j < k_max and active.any():
+        if j < k_max and (not rnd.missing or np.count_nonzero(active)):
             tp = time.perf_counter()
-            active = active & np.asarray(policy.extend(step, conf[:, :j], active), dtype=bool)
+            active &= np.asarray(policy.extend(step, conf[:, :j], active), dtype=bool)
             res.policy_time += time.perf_counter() - tp
     res.draft_time = time.perf_counter() - t0
-    drafted = np.array([len(t) for t in tokens], dtype=np.int64)
-    res.confidences = conf
-    if drafted.any():
+    if j:
+        res.drafted = drafted = np.isfinite(conf[:, :j]).sum(axis=1)  # [B] s_r
+        s = int(drafted[drafted.argmax()])  # j, unless the last round proposed nothing
+    if j and s:
         tp = time.perf_counter()
-        k = np.asarray(policy.verify_lengths(step, conf[:, : max(1, int(drafted.max()))], drafted))
+        k = np.asarray(policy.verify_lengths(step, conf[:, :s], drafted.copy()))
         res.policy_time += time.perf_counter() - tp
-        res.k = np.clip(k.astype(np.int64), 0, drafted)
+        # 0 <= k <= drafted whatever the policy returned
+        res.k = np.minimum(np.maximum(k.astype(np.int64), 0), drafted)
     return res
 
 

@@ -90,7 +90,7 @@ class StepRunner:
         draft = self._draft(decodes, sched) if decodes and self.speculative else None
         for i, r in enumerate(decodes):
             k = int(draft.k[i]) if draft is not None else 0
-            extra = draft.tokens[i][:k] if k else []
+            extra = draft.tokens[i, :k].tolist() if k else []
             segs.append(Segment(r.blocks, r.kv_len, [r.all_ids[-1], *extra], all_logits=k > 0))
         logits, batch = self.parts.target.forward(segs)
         if sched.prefills and self.speculative and self.drafter.kind == "model":
@@ -149,11 +149,11 @@ class StepRunner:
         k = int(draft.k[i]) if draft is not None else 0
         if k == 0:
             return [self._sample(r, logits[-1], argmax[-1])]
-        drafts = draft.tokens[i][:k]
+        drafts = draft.tokens[i, :k].tolist()
         if r.params.greedy:
             return greedy_accept(drafts, argmax)
         p = processed_probs(logits, [r.params] * (k + 1))
-        if draft.q[i]:
+        if draft.q is not None and draft.q[i]:
             q = torch.stack(draft.q[i][:k])
         else:  # n-gram proposals are deterministic: q is one-hot on the proposed token
             q = torch.zeros(k, p.shape[-1]).scatter_(1, torch.tensor(drafts)[:, None], 1.0)
@@ -219,7 +219,7 @@ class StepRunner:
             k, a = int(ks[i]), int(accepted[i])
             s.record_verify(k, a)
             if draft is not None:
-                proposed = len(draft.tokens[i])
+                proposed = int(draft.drafted[i])
                 s.proposed += proposed
                 r.spec.proposed += proposed
             if k:
@@ -231,7 +231,7 @@ class StepRunner:
         slo = min((r.params.tpot_slo or self.cfg.tpot_slo or math.inf) for r in decodes) if decodes else math.inf
         if step_time > slo:
             s.slo_step_misses += 1
-        drafted = np.array([len(t) for t in draft.tokens] if draft else [], dtype=np.int64)
+        drafted = draft.drafted if draft else np.zeros(0, dtype=np.int64)
         s.history.append(StepRecord(
             time.time(), len(decodes) + n_prefill, len(decodes),
             float(drafted.mean()) if len(drafted) else 0.0, float(ks.mean()) if len(ks) else 0.0,
@@ -240,7 +240,7 @@ class StepRunner:
         if draft is not None:
             t = time.perf_counter()
             self.policy.observe(self._step_info, VerifyOutcome(
-                drafted=drafted, verified=ks.copy(), accepted=accepted,
+                drafted=drafted.copy(), verified=ks.copy(), accepted=accepted,
                 confidences=draft.confidences, step_time=step_time, draft_time=draft.draft_time,
             ))
             s.policy_time_total += time.perf_counter() - t

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
+
 from sloserve.estimator.cost_model import ForwardCost
 from sloserve.runtime.request import Request
+from sloserve.runtime.speculative import DraftRound
 
 DUMMY_TOKEN = 0
 
@@ -34,6 +37,7 @@ class SimDrafter:
         self._kind = kind
         self.time = 0.0  # simulated seconds of draft forwards since the last reset
         self.forwards = 0
+        self._tokens = np.full(64, DUMMY_TOKEN, dtype=np.int64)  # see _dummy
 
     @property
     def kind(self) -> str:
@@ -42,28 +46,36 @@ class SimDrafter:
     def release(self, rid: str) -> None:
         """Nothing to drop: the runner owns the draws."""
 
-    def step(self, reqs: list[Request], drafts: list[list[int]]) -> list[tuple[int, float, None]]:
-        """One draft token per request: (token, confidence, None)."""
+    def step(self, reqs: list[Request], drafts: np.ndarray) -> DraftRound:
+        """One draft token per request; drafts: [n, j] this step's drafts so far."""
         conf = self.conf
+        j = drafts.shape[1]
+        # the proposal is for output position n_out + j (the pending last output token is at
+        # position n_out - 1)
+        confs = [conf[r.rid][len(r.output_ids) + j] for r in reqs]
+        tokens = self._dummy(len(reqs))
         if self._kind != "model":  # n-gram lookups: no forward, no draft KV
-            return [(DUMMY_TOKEN, conf[r.rid][len(r.output_ids) + len(d)], None)
-                    for r, d in zip(reqs, drafts)]
-        out = []
-        n_ctx = n_q = 0
-        for req, d in zip(reqs, drafts):
-            n_out, n_d = len(req.output_ids), len(d)
-            # d holds this step's drafts so far: the proposal is for output position
-            # n_out + n_d (the pending last output token is at position n_out - 1)
-            out.append((DUMMY_TOKEN, conf[req.rid][n_out + n_d], None))
-            if n_d:  # feed the previous draft token
+            return DraftRound(tokens, confs)
+        n_ctx = 0
+        if j:  # feed each request's previous draft token
+            n_q = len(reqs)
+            for req in reqs:
                 kv = req.draft_kv_len + 1
-                n_q += 1
-            else:  # first forward of the step: catch up on every token not yet seen
-                kv = len(req.prompt_ids) + n_out
+                req.draft_kv_len = kv
+                n_ctx += kv  # attended KV tokens: the cached ones plus this forward's query
+        else:  # first forward of the step: catch up on every token not yet seen
+            n_q = 0
+            for req in reqs:
+                kv = len(req.prompt_ids) + len(req.output_ids)
                 n_q += kv - req.draft_kv_len
-            req.draft_kv_len = kv
-            n_ctx += kv  # attended KV tokens: the cached ones plus this forward's queries
-        c = self.cost
-        self.time += c.time(n_ctx, n_q)
+                req.draft_kv_len = kv
+                n_ctx += kv
+        self.time += self.cost.time(n_ctx, n_q)
         self.forwards += 1
-        return out
+        return DraftRound(tokens, confs)
+
+    def _dummy(self, n: int) -> np.ndarray:
+        """[n] DUMMY_TOKEN (shared: callers only read it)."""
+        if self._tokens.size < n:
+            self._tokens = np.full(max(n, 2 * self._tokens.size), DUMMY_TOKEN, dtype=np.int64)
+        return self._tokens[:n]

@@ -9,12 +9,14 @@ prints mean E2E latency and mean TPOT, real vs simulated, with the relative erro
 (SmartSpec sec. 7.2: within 10% below saturation). Writes JSON (default
 out/sim_fidelity.json) with both summaries and the acceptance statistics of each side.
 
-Profile: --profile FILE, or --profile fresh (the quick profiler runs first, in the same run:
-on a shared machine whose speed drifts, a profile measured minutes earlier misprices the
-replay), else the one matching the built-in pair on this device under configs/ or the user
-cache; if there is none the quick profiler runs first and writes it. Both sides use that
-profile: the engine's policies score plans with it, the simulator prices its steps with it. Acceptance: --acceptance, else
-out/bench_builtin_pair.json if present, else the built-in calibration.
+Profile: --profile FILE, or --profile fresh (the quick profiler, ~30 s, runs right before
+each policy's real run, into out/fidelity_profiles/: on a shared machine whose speed drifts
+by 1.5x within minutes, a profile measured minutes earlier misprices the replay), else the
+one matching the built-in pair on this device under configs/ or the user cache; if there is
+none the quick profiler runs first and writes it. Both sides of a policy use the same
+profile: the engine's policies score plans with it, the simulator prices its steps with it.
+Acceptance: --acceptance, else out/bench_builtin_pair.json if present, else the built-in
+calibration.
 Prompts: Spec-Bench questions (ordinary text, like the calibration), tokenized once.
 """
 
@@ -207,59 +209,73 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--k-max", type=int, default=8)
     ap.add_argument("--profile", default=None,
                     help="cost profile of the built-in pair here, or 'fresh': run the quick "
-                         "profiler first, in this run (out/profiles/), so the profile and the "
-                         "replay see the machine in the same state")
+                         "profiler right before each policy's real run "
+                         "(out/fidelity_profiles/), so the profile and the replay see the "
+                         "machine in the same state")
     ap.add_argument("--acceptance", default=None, help="acceptance file for the simulator")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sim-seeds", type=int, default=5,
                     help="average the simulator over this many acceptance seeds (a small "
                          "workload draws few per-request acceptance levels)")
-    ap.add_argument("--serving-calibration", choices=("on", "off"), default="on",
-                    help="also simulate with the profile scaled to the serving path's "
-                         "measured plain-decode step time (serving_scale)")
+    ap.add_argument("--serving-calibration", choices=("on", "off"), default="off",
+                    help="also simulate with each profile scaled to the serving path's "
+                         "plain-decode step time measured right after the policy's real run "
+                         "(serving_scale; a diagnostic: on this machine it mostly measures "
+                         "the speed drift since the profile)")
     ap.add_argument("--out", default=str(REPO / "out" / "sim_fidelity.json"))
     args = ap.parse_args(argv)
 
     base = EngineConfig(k_max=args.k_max,
                         tpot_slo=args.tpot_slo_ms / 1000 if args.tpot_slo_ms else None)
-    if args.profile == "fresh":
-        from sloserve.profiler.__main__ import main as profile_main
-
-        profile = str(profile_main(["--quick", "--out-dir", str(REPO / "out")]))
-    else:
-        profile = args.profile or find_or_measure_profile(base)
-    cfg = dataclasses.replace(base, profile_path=profile)
+    fresh = args.profile == "fresh"
+    fixed_profile = None if fresh else (args.profile or find_or_measure_profile(base))
     acceptance = args.acceptance or (str(DEFAULT_ACCEPTANCE) if DEFAULT_ACCEPTANCE.is_file()
                                      else None)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     requests = build_requests(args.requests, args.rate, args.output_len, args.seed)
-    print(f"profile: {profile}\nacceptance: {acceptance or 'built-in calibration'}\n"
+    print(f"profile: {'measured afresh before each policy' if fresh else fixed_profile}\n"
+          f"acceptance: {acceptance or 'built-in calibration'}\n"
           f"workload: {len(requests)} requests, Poisson {args.rate} req/s, "
           f"{args.output_len} output tokens, policies {policies}")
-    warm_up(cfg, requests)
-    t0 = time.perf_counter()
-    real = run_policies(requests, {p: make_target("inprocess", p, engine_config=cfg)
-                                   for p in policies}, show_progress=False)
-    t_real = time.perf_counter() - t0
-    cost = read_profile(profile).cost_model()
-    model = load_acceptance(acceptance) if acceptance else None
-    scale = serving_scale(cfg, profile) if args.serving_calibration == "on" else 1.0
-    variants = {"profile": cost, "serving-calibrated": scaled(cost, scale)}
-    result = {"benchmark": "sim_fidelity", "args": vars(args), "profile": profile,
-              "acceptance": acceptance, "machine": machine_info(), "real_wall_s": t_real,
-              "serving_scale": scale, "variants": {}}
-    for name, c in variants.items():
-        if name != "profile" and args.serving_calibration != "on":
-            continue
+    # per policy: its profile, the real engine's run with it, the serving-path scale
+    profiles, real, scales = [], [], []
+    t_real = 0.0
+    for i, p in enumerate(policies):
+        if fresh:  # minutes-old profiles misprice this machine: measure right before the run
+            from sloserve.profiler.__main__ import main as profile_main
+
+            out_dir = REPO / "out" / "fidelity_profiles" / str(i)  # a distinct path per policy
+            profile = str(profile_main(["--quick", "--out-dir", str(out_dir)]))
+        else:
+            profile = fixed_profile
+        cfg = dataclasses.replace(base, profile_path=profile)
+        warm_up(cfg, requests)
         t0 = time.perf_counter()
-        sims = [run_policies(requests, {
-            p: SimTarget(dataclasses.replace(cfg, spec_policy=p), c, model, seed=seed)
-            for p in policies}, show_progress=False)
-            for seed in range(args.seed, args.seed + args.sim_seeds)]
+        real += run_policies(requests, {p: make_target("inprocess", p, engine_config=cfg)},
+                             show_progress=False)
+        t_real += time.perf_counter() - t0
+        scales.append(serving_scale(cfg, profile) if args.serving_calibration == "on" else 1.0)
+        profiles.append(profile)
+    model = load_acceptance(acceptance) if acceptance else None
+    costs = [read_profile(profile).cost_model() for profile in profiles]
+    variants = {"profile": costs}
+    if args.serving_calibration == "on":
+        variants["serving-calibrated"] = [scaled(c, s) for c, s in zip(costs, scales)]
+    result = {"benchmark": "sim_fidelity", "args": vars(args), "profiles": profiles,
+              "acceptance": acceptance, "machine": machine_info(), "real_wall_s": t_real,
+              "serving_scales": scales, "variants": {}}
+    for name, per_policy in variants.items():
+        t0 = time.perf_counter()
+        sims = [[run_policies(requests, {p: SimTarget(dataclasses.replace(
+                    base, profile_path=prof, spec_policy=p), c, model, seed=seed)},
+                    show_progress=False)[0]
+                 for p, prof, c in zip(policies, profiles, per_policy)]
+                for seed in range(args.seed, args.seed + args.sim_seeds)]
         rows = compare(real, sims, SloConfig())
         result["variants"][name] = {"rows": rows, "sim_wall_s": time.perf_counter() - t0}
         label = ("cost profile as measured" if name == "profile" else
-                 f"cost profile x {scale:.3f} (serving-path calibration)")
+                 "cost profile x the serving-path calibration ("
+                 + ", ".join(f"{p} {s:.3f}" for p, s in zip(policies, scales)) + ")")
         print(f"\nsimulator with the {label}, mean over {args.sim_seeds} seeds:")
         print_rows(rows)
     print(f"real engine {t_real:.1f} s")

@@ -225,7 +225,8 @@ class SimStepRunner:
         s.step_time_total += step_time
         n = len(decodes)
         chosen = s.chosen_k
-        drafted = [len(t) for t in draft.tokens] if draft is not None else []
+        drafted = draft.drafted.tolist() if draft is not None else []
+        proposed = sum(drafted)
         if not k_sum:  # plain decoding: record_verify(0, 0) per request
             chosen[0] += n
         else:  # EngineStats.record_verify, batched (per-position counts: finalize_stats)
@@ -248,7 +249,7 @@ class SimStepRunner:
             s.accepted += sum(accepted)
             s.spec_steps += 1
         if draft is not None:
-            s.proposed += sum(drafted)
+            s.proposed += proposed
             for i, r in enumerate(decodes):
                 r.spec.proposed += drafted[i]
         if n:
@@ -258,12 +259,12 @@ class SimStepRunner:
             if step_time > slo:
                 s.slo_step_misses += 1
         s.history.append(StepRecord(
-            end, n + n_prefill, n, sum(drafted) / n if drafted else 0.0, k_sum / n if n else 0.0,
+            end, n + n_prefill, n, proposed / n if drafted else 0.0, k_sum / n if n else 0.0,
             step_time,
         ))
         if draft is not None:
             self.policy.observe(self._step_info, VerifyOutcome(
-                drafted=np.array(drafted, dtype=np.int64), verified=draft.k.copy(),
+                drafted=draft.drafted.copy(), verified=draft.k.copy(),
                 accepted=np.array(accepted, dtype=np.int64), confidences=draft.confidences,
                 step_time=step_time, draft_time=draft_time,
             ))

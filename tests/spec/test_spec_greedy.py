@@ -132,3 +132,27 @@ def test_policies_with_ngram_drafter_keep_greedy_output(make_engine, prompts, po
     rep = [(p[:5] * 8)[: 12 + i] for i, p in enumerate(prompts[:10])]
     ref = _run(make_engine(spec_policy="ar"), rep, 20)
     assert _run(make_engine(spec_policy=policy, drafter="ngram"), rep, 20) == ref
+
+
+def test_greedy_requests_batched_with_sampling_ones(make_engine, prompts, reference):
+    """Greedy and sampling requests in the same draft forwards: the greedy ones still equal
+    plain greedy, and the sampling ones (their draft distributions kept for the acceptance
+    rule) finish."""
+    eng = make_engine(spec_policy="fixed:3")
+    greedy = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    reqs = []
+    for i, p in enumerate(prompts[:16]):
+        params = greedy if i % 2 == 0 else SamplingParams(
+            max_new_tokens=24, temperature=0.8, seed=i, ignore_eos=True)
+        reqs.append(eng.add_request(p, params))
+    while eng.has_work:
+        eng.step()
+    assert all(r.status is Status.FINISHED and len(r.output_ids) == 24 for r in reqs)
+    assert [r.output_ids for r in reqs[::2]] == reference[:16:2]
+    _check_exercised(eng)
+    # the greedy rows' drafts are the draft model's argmax (not, e.g., another row's token):
+    # they are accepted as often as in an all-greedy batch
+    solo = make_engine(spec_policy="fixed:3")
+    _run(solo, prompts[:16:2], 24, per_step=8)
+    rate = sum(r.spec.accepted for r in reqs[::2]) / sum(r.spec.verified for r in reqs[::2])
+    assert rate == pytest.approx(solo.stats.accepted / solo.stats.verified, abs=0.05)
