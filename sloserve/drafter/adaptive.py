@@ -94,6 +94,8 @@ class AdaptiveDrafter:
         self.P = np.zeros((0, 0))
         self.costs = np.zeros((0, 0))  # [k_max, B] StepTimer.draft_token_cost(j) rows
         self.ctx_costs = np.zeros((0, 0))  # [k_max, B] see _begin (knee costs only)
+        self.draft_q_costs = np.zeros(0)  # [B] see _begin (knee costs only)
+        self.verify_costs = np.zeros(0)  # [B] see _begin (knee costs only)
         self.first_q = np.zeros(0)  # [B]
         self.counts = np.zeros(0)  # [B] 1..B
         self.ones = np.zeros(0)  # [B] ones: x.dot(ones) sums x faster than x.sum()
@@ -126,9 +128,17 @@ class AdaptiveDrafter:
         # overruns matter only to the SLO rule: measured on steps that have an SLO
         tracked = self.step is step
         has_slo = self.slo < float("inf") if tracked else binding_slo(step) < float("inf")
-        if has_slo and outcome.step_time > 0.0 and np.any(outcome.drafted > 0):
-            timer = self.timer if tracked else StepTimer(self.cost, step)
-            predicted = timer.plan(outcome.drafted, outcome.verified)
+        n_drafted = int(outcome.drafted.sum()) if has_slo and outcome.step_time > 0.0 else 0
+        if n_drafted:
+            if tracked and n_drafted == self.k_total:
+                # the engine drafted exactly the plan (it can only draft a subset of it): its
+                # time is known, less the verify tokens that elimination removed
+                timer = self.timer
+                predicted = self.time - float(timer.verify_extra(n_drafted)) + float(
+                    timer.verify_extra(int(outcome.verified.sum())))
+            else:
+                timer = self.timer if tracked else StepTimer(self.cost, step)
+                predicted = timer.plan(outcome.drafted, outcome.verified)
             self.overruns.append(outcome.step_time / predicted if predicted > 0 else 1.0)
             self.slo_scale = min(2.0, max(1.0, max(self.overruns)))
         if self.step is step and step.batch_size:
@@ -166,11 +176,16 @@ class AdaptiveDrafter:
             return
         # [k_max, B] draft forward attention seconds per request at position j + 1 (the first
         # forward reads n - lag KV tokens) and [B] query tokens it feeds at j = 0 (lag + 1)
-        a_d = self.cost.draft.a
-        self.ctx_costs = a_d * (self.timer.n + np.arange(k_max, dtype=np.float64)[:, None])
-        if k_max:
-            self.ctx_costs[0] -= a_d * self.timer.lag
+        d = self.cost.draft
+        self.ctx_costs = d.a * (self.timer.n + np.arange(k_max, dtype=np.float64)[:, None])
+        if k_max and self.timer.has_lag:
+            self.ctx_costs[0] -= d.a * self.timer.lag
         self.first_q = 1.0 + self.timer.lag
+        # [B] the draft forward's query-token seconds when the prefix's requests feed one
+        # token each (every forward but a first one with lag), and the verify's token_time
+        # per prefix size: _prefix_times adds the knees from these
+        self.draft_q_costs = d.b * np.maximum(self.counts - d.q0, 0.0)
+        self.verify_costs = self.timer.token_time * self.counts
 
     def plan_matches(self, confidences: np.ndarray, drafted: np.ndarray) -> bool:
         """True when P, tokens and time describe the engine's plan exactly: every drafted
@@ -227,11 +242,17 @@ class AdaptiveDrafter:
         time = self.ctx_costs[j].take(order)  # [B] attention reads of the draft forward
         time[0] += self.time + d.c
         _accumulate(time, out=time)
-        q = _accumulate(self.first_q.take(order)) if j == 0 else self.counts
-        time += d.b * np.maximum(q - d.q0, 0.0)
+        if j == 0 and self.timer.has_lag:  # the first forward also feeds the lag tokens
+            q = _accumulate(self.first_q.take(order))
+            time += d.b * np.maximum(q - d.q0, 0.0)
+        else:
+            time += self.draft_q_costs
         # verify tokens still inside the target's knee, then token_time each
-        free = max(0.0, self.timer.free_verify - self.k_total)
-        time += self.timer.token_time * np.maximum(self.counts - free, 0.0)
+        free = self.timer.free_verify - self.k_total
+        if free > 0.0:
+            time += np.maximum(self.verify_costs - self.timer.token_time * free, 0.0)
+        else:
+            time += self.verify_costs
         return time
 
     def _correct(self, j: int, conf: np.ndarray, drafting: np.ndarray) -> None:

@@ -58,7 +58,9 @@ class ConfidenceCalibrator:
 
     One instance per engine (model pair); counts are scaled down once they exceed max_count
     so the map keeps tracking a drifting workload. The map is refitted every `refit_every`
-    updates (it moves slowly; refitting costs a few microseconds).
+    updates (verify steps): it moves slowly, and a refit with pool-adjacent-violators costs
+    tens of microseconds, a sizeable share of the controller's per-step time if done every
+    step.
     """
 
     def __init__(
@@ -66,7 +68,7 @@ class ConfidenceCalibrator:
         n_bins: int = 16,
         prior_weight: float = 4.0,
         max_count: float = 2e5,
-        refit_every: int = 4,
+        refit_every: int = 16,
     ) -> None:
         self.n_bins = n_bins
         self.refit_every = refit_every  # updates between refits of the map
