@@ -4,8 +4,9 @@ at several batch sizes, in one process (models loaded once, policies swapped).
     python -m sloserve.bench.spec --policies ar,fixed:1,fixed:3,fixed:5 --batches 1,4,16,32
     python -m sloserve.bench.spec --policies ar,fixed:3,specserve --batches 8 --tpot-slo 45ms
 
-Batch b = b requests submitted together (ordinary prompts cut to --prompt-tokens, greedy,
-ignore_eos, the same output length), run to completion; repeated `--repeats` times with the
+Batch b = b requests in flight, closed loop: max(b, --min-requests) ordinary prompts (cut to
+--prompt-tokens, greedy, ignore_eos, the same output length), the next one submitted when a
+request finishes, run to completion; repeated `--repeats` times with the
 policies alternating (the order rotates every repeat), medians reported. "vs ar" is the median
 over repeats of tok/s divided by ar's tok/s in the same repeat: pairing runs seconds apart
 cancels most of this machine's slow drifts. Per-token latency is each request's
@@ -41,13 +42,21 @@ def parse_ms(text: str) -> float:
     return float(t) / 1000
 
 
-def run_once(eng: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
+def run_once(eng: Engine, prompts: list[list[int]], new_tokens: int,
+             concurrency: int | None = None) -> dict:
+    """Closed loop: `concurrency` requests in flight (default: all prompts at once), the next
+    prompt submitted as soon as one finishes, until every prompt is done."""
     eng.stats = eng.runner.stats = EngineStats(k_max=eng.cfg.k_max)
     sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    concurrency = concurrency or len(prompts)
     t0 = time.perf_counter()
-    reqs = [eng.add_request(p, sp) for p in prompts]
+    reqs = [eng.add_request(p, sp) for p in prompts[:concurrency]]
+    pending = list(prompts[concurrency:])
     while eng.has_work:
         eng.step()
+        done = sum(r.finish_time is not None for r in reqs)
+        while pending and len(reqs) - done < concurrency:
+            reqs.append(eng.add_request(pending.pop(0), sp))
     wall = time.perf_counter() - t0
     s = eng.stats
     tpots = [(r.finish_time - r.first_token_time) / (len(r.output_ids) - 1) for r in reqs]
@@ -87,6 +96,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--drafter", default="model", choices=["model", "ngram"])
     ap.add_argument("--prompt-tokens", type=int, default=64,
                     help="truncate each prompt to this many tokens (0: whole prompts)")
+    ap.add_argument("--min-requests", type=int, default=8,
+                    help="requests per run at least: a small batch runs several prompts in "
+                         "turn (one 64-token request at batch 1 is ~20 steps, too few to rank "
+                         "policies within a few percent)")
     ap.add_argument("--out", default="out/bench_spec.json")
     args = ap.parse_args(argv)
     policies = args.policies.split(",")
@@ -103,7 +116,8 @@ def main(argv=None) -> dict:
         engines[name] = Engine(dataclasses.replace(base.cfg, spec_policy=name), parts=parts)
     rows = []
     for b in batches:
-        prompts = [base.encode(p) for p in ordinary_prompts(b)]
+        n = max(b, args.min_requests)
+        prompts = [base.encode(p) for p in ordinary_prompts(n)]
         if args.prompt_tokens:
             prompts = [p[: args.prompt_tokens] for p in prompts]
         for eng in engines.values():  # warm-up
@@ -112,7 +126,7 @@ def main(argv=None) -> dict:
         for rep in range(args.repeats):
             order = policies[rep % len(policies):] + policies[: rep % len(policies)]
             for name in order:
-                runs[name].append(run_once(engines[name], prompts, args.new_tokens))
+                runs[name].append(run_once(engines[name], prompts, args.new_tokens, b))
         for name in policies:
             paired = ([r["tok_s"] / a["tok_s"] for r, a in zip(runs[name], runs["ar"])]
                       if "ar" in runs else [float("nan")])

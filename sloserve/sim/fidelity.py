@@ -92,7 +92,8 @@ def serving_scale(cfg: EngineConfig, profile: str, batches=(1, 4), tokens: int =
     from the workload: B identical requests decode in lockstep; the median gap between one
     request's chunks is the step time. The profiler times forwards on the main thread only;
     this ratio is what the serving path adds (the engine thread, GIL hand-offs to the
-    client), plus whatever the machine's speed drifted since the profile was measured."""
+    client), plus whatever the machine's speed drifted since the profile was measured (on
+    this CPU mostly the latter: a diagnostic, off by default)."""
     import asyncio
     import statistics
 
