@@ -155,9 +155,12 @@ class RunSummary:
     speedup: float | None = None  # filled by `with_speedups`
 
 
-def summarize_run(run: PolicyRun, slo: SloConfig) -> RunSummary:
-    """Aggregate the records (and engine stats) of one run."""
-    per_req = [request_metrics(r, slo, itls=False) for r in run.records]
+def summarize_run(run: PolicyRun, slo: SloConfig,
+                  per_req: Sequence[RequestMetrics] | None = None) -> RunSummary:
+    """Aggregate the records (and engine stats) of one run. per_req: the records'
+    request_metrics when the caller already has them (itls_s is not used)."""
+    if per_req is None:
+        per_req = [request_metrics(r, slo, itls=False) for r in run.records]
     ok = [m for m in per_req if m.success]
     # inter-chunk gaps of every successful request, without a Python float per gap
     gaps = [np.diff(r.chunk_s) for r in run.records if r.success and len(r.chunk_s) > 1]

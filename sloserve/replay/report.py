@@ -67,13 +67,14 @@ def build_report(
 
 
 def _cell_dict(cell: Cell, slo: SloConfig, baseline: str) -> dict[str, Any]:
-    summaries = with_speedups([summarize_run(r, slo) for r in cell.runs], baseline)
+    per_run = [[request_metrics(rec, slo, itls=False) for rec in r.records] for r in cell.runs]
+    summaries = with_speedups([summarize_run(r, slo, m) for r, m in zip(cell.runs, per_run)],
+                              baseline)
     runs = []
-    for run, summary in zip(cell.runs, summaries):
+    for run, summary, metrics in zip(cell.runs, summaries, per_run):
         d = asdict(summary)
-        d["requests"] = [_request_dict(request_metrics(rec, slo, itls=False), rec.error,
-                                       rec.category)
-                         for rec in run.records]
+        d["requests"] = [_request_dict(m, rec.error, rec.category)
+                         for m, rec in zip(metrics, run.records)]
         d["spec_stats"] = run.spec_stats.to_dict() if run.spec_stats is not None else None
         runs.append(d)
     return {

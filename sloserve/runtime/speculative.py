@@ -157,10 +157,11 @@ def run_drafting(drafter: Drafter, policy: SpecPolicy, reqs: list[Request], step
             active &= np.asarray(policy.extend(step, conf[:, :j], active), dtype=bool)
             res.policy_time += time.perf_counter() - tp
     res.draft_time = time.perf_counter() - t0
+    s = 0  # most draft tokens of any request: j, unless the last round proposed nothing
     if j:
         res.drafted = drafted = np.isfinite(conf[:, :j]).sum(axis=1)  # [B] s_r
-        s = int(drafted[drafted.argmax()])  # j, unless the last round proposed nothing
-    if j and s:
+        s = int(drafted[drafted.argmax()])
+    if s:
         tp = time.perf_counter()
         k = np.asarray(policy.verify_lengths(step, conf[:, :s], drafted.copy()))
         res.policy_time += time.perf_counter() - tp

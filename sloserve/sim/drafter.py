@@ -37,7 +37,6 @@ class SimDrafter:
         self._kind = kind
         self.time = 0.0  # simulated seconds of draft forwards since the last reset
         self.forwards = 0
-        self._tokens = np.full(64, DUMMY_TOKEN, dtype=np.int64)  # see _dummy
 
     @property
     def kind(self) -> str:
@@ -53,7 +52,7 @@ class SimDrafter:
         # the proposal is for output position n_out + j (the pending last output token is at
         # position n_out - 1)
         confs = [conf[r.rid][len(r.output_ids) + j] for r in reqs]
-        tokens = self._dummy(len(reqs))
+        tokens = np.full(len(reqs), DUMMY_TOKEN, dtype=np.int64)
         if self._kind != "model":  # n-gram lookups: no forward, no draft KV
             return DraftRound(tokens, confs)
         n_ctx = 0
@@ -74,8 +73,3 @@ class SimDrafter:
         self.forwards += 1
         return DraftRound(tokens, confs)
 
-    def _dummy(self, n: int) -> np.ndarray:
-        """[n] DUMMY_TOKEN (shared: callers only read it)."""
-        if self._tokens.size < n:
-            self._tokens = np.full(max(n, 2 * self._tokens.size), DUMMY_TOKEN, dtype=np.int64)
-        return self._tokens[:n]
