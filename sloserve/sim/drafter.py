@@ -72,4 +72,3 @@ class SimDrafter:
         self.time += self.cost.time(n_ctx, n_q)
         self.forwards += 1
         return DraftRound(tokens, confs)
-
