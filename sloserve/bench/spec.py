@@ -4,13 +4,17 @@ at several batch sizes, in one process (models loaded once, policies swapped).
     python -m sloserve.bench.spec --policies ar,fixed:1,fixed:3,fixed:5 --batches 1,4,16,32
     python -m sloserve.bench.spec --policies ar,fixed:3,specserve --batches 8 --tpot-slo 45ms
 
-Batch b = b requests in flight, closed loop: max(b, --min-requests) ordinary prompts (cut to
---prompt-tokens, greedy, ignore_eos, the same output length), the next one submitted when a
-request finishes, run to completion; repeated `--repeats` times with the
-policies alternating (the order rotates every repeat), medians reported. "vs ar" is the median
-over repeats of tok/s divided by ar's tok/s in the same repeat: pairing runs seconds apart
-cancels most of this machine's slow drifts. Per-token latency is each request's
-TPOT = (finish - first token) / (n - 1).
+Batch b = b requests in flight, closed loop: n = max(b * --requests-per-slot, --min-requests)
+ordinary prompts (cut to --prompt-tokens, greedy, ignore_eos) taken in a cycle, the next one
+submitted when a request finishes. Output lengths are spread evenly over --new-tokens
+(1 +- --length-spread), so requests finish at different steps and the load settles into a
+steady mix of prefills and decodes. Every policy has its own engine (shared weights, its own
+KV pool); the engines take one step each in turn until every one has finished n requests,
+so all policies are measured over the same stretch of time (--sequential: one after
+another). Each engine's clock counts only its own steps. tok/s = tokens generated / that
+clock; TPOT = (finish - first token) / (n - 1) of each finished request, on that clock.
+Repeated `--repeats` times (the order rotates every repeat), medians reported; "vs ar" is
+the median over repeats of tok/s divided by ar's tok/s in the same repeat.
 Prints a table and writes JSON (default out/bench_spec.json).
 """
 
@@ -27,6 +31,8 @@ from sloserve.bench.common import machine_info, ordinary_prompts, print_table, w
 from sloserve.drafter.registry import make_policy
 from sloserve.runtime.config import EngineConfig
 from sloserve.runtime.engine import Engine
+from sloserve.runtime.kv_cache import BlockAllocator, KVStorage
+from sloserve.runtime.model_runner import ModelRunner
 from sloserve.runtime.request import SamplingParams
 from sloserve.runtime.scheduler import SchedulerConfig
 from sloserve.runtime.stats import EngineStats
@@ -42,42 +48,139 @@ def parse_ms(text: str) -> float:
     return float(t) / 1000
 
 
+class ClosedLoop:
+    """One engine's closed loop, advanced a step at a time so several policies can be stepped
+    in turn (`run_loops`): `concurrency` requests in flight, the next prompt submitted as soon
+    as one finishes, the prompts taken in a cycle so the load never drains.
+
+    Its clock counts only this engine's own time (each step plus its submissions), so a
+    policy's numbers never include the steps of the policies run between its own.
+    Per-request first-token and finish times are read on that clock at the end of the step
+    that produced them."""
+
+    def __init__(self, eng: Engine, prompts: list[list[int]], new_tokens: int | list[int],
+                 concurrency: int | None = None) -> None:
+        """new_tokens: output length of every request, or of each prompt's requests."""
+        eng.stats = eng.runner.stats = EngineStats(k_max=eng.cfg.k_max)
+        self.eng = eng
+        self.prompts = prompts
+        lengths = [new_tokens] * len(prompts) if isinstance(new_tokens, int) else new_tokens
+        self.params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+                       for n in lengths]
+        self.concurrency = concurrency or len(prompts)
+        self.clock = 0.0  # seconds of this engine's own time
+        self.live: list = []  # requests in flight
+        self.finished: list = []
+        self.first: dict[str, float] = {}  # rid -> first token, on self.clock
+        self.finish: dict[str, float] = {}
+        t0 = time.perf_counter()
+        self._submit()
+        self.clock += time.perf_counter() - t0
+
+    def _submit(self) -> None:
+        while len(self.live) < self.concurrency:
+            i = (len(self.live) + len(self.finished)) % len(self.prompts)
+            self.live.append(self.eng.add_request(self.prompts[i], self.params[i]))
+
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        self.eng.step()
+        self.clock += time.perf_counter() - t0
+        done = False
+        for r in self.live:
+            if r.first_token_time is not None and r.rid not in self.first:
+                self.first[r.rid] = self.clock
+            if r.finish_time is not None:
+                self.finish[r.rid] = self.clock
+                self.finished.append(r)
+                done = True
+        if done:
+            self.live = [r for r in self.live if r.finish_time is None]
+            t0 = time.perf_counter()
+            self._submit()
+            self.clock += time.perf_counter() - t0
+
+    def stop(self) -> None:
+        """Abort the requests still in flight (their KV blocks go back to the pool); the
+        tokens they produced so far stay counted."""
+        for r in self.live:
+            self.eng.abort(r.rid)
+        self.live = []
+
+    def result(self) -> dict:
+        """Throughput over the whole loop (every generated token, finished requests or not),
+        per-token latency of the finished requests."""
+        s = self.eng.stats
+        tpots = [(self.finish[r.rid] - self.first[r.rid]) / (len(r.output_ids) - 1)
+                 for r in self.finished]
+        decode_steps = [h for h in s.history if h.decodes > 0]
+        ks = np.array(s.chosen_k, dtype=float)
+        return {
+            "wall_s": self.clock,
+            "requests": len(self.finished),
+            "tokens": s.generated_tokens,
+            "tok_s": s.generated_tokens / self.clock,
+            "mean_tpot_ms": 1000 * statistics.mean(tpots) if tpots else float("nan"),
+            "tpots": tpots,
+            "acceptance_rate": s.acceptance_rate,
+            "verified_acceptance_rate": s.verified_acceptance_rate,
+            "accept_at_1": s.accepted_at[0] / s.verified_at[0] if s.verified_at[0] else None,
+            "mean_accepted_length": s.mean_accepted_length,
+            "mean_k": float((ks * np.arange(len(ks))).sum() / max(ks.sum(), 1)),
+            "max_step_ms": 1000 * max((h.step_s for h in decode_steps), default=0.0),
+            "steps": s.steps,
+            "slo_step_misses": s.slo_step_misses,
+            "policy_time_per_step_us": 1e6 * s.policy_time_total / max(s.steps, 1),
+            "step_time_mean_ms": 1000 * s.step_time_total / max(s.steps, 1),
+        }
+
+
+def run_loops(loops: list[ClosedLoop], requests: int, interleave: bool = True) -> list[dict]:
+    """Run the loops until each has finished `requests` requests, then stop them.
+
+    interleave: one step of each loop in turn, all of them until the slowest is done, so
+    every policy is measured over the same stretch of time (this machine's speed drifts by
+    up to 1.5x within minutes; stepping in turn cancels that). Otherwise one loop after the
+    other, each until its own `requests` are done."""
+    if interleave:
+        while min(len(lp.finished) for lp in loops) < requests:
+            for lp in loops:
+                lp.step()
+    else:
+        for lp in loops:
+            while len(lp.finished) < requests:
+                lp.step()
+    for lp in loops:
+        lp.stop()
+    return [lp.result() for lp in loops]
+
+
 def run_once(eng: Engine, prompts: list[list[int]], new_tokens: int,
              concurrency: int | None = None) -> dict:
-    """Closed loop: `concurrency` requests in flight (default: all prompts at once), the next
-    prompt submitted as soon as one finishes, until every prompt is done."""
-    eng.stats = eng.runner.stats = EngineStats(k_max=eng.cfg.k_max)
-    sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    concurrency = concurrency or len(prompts)
-    t0 = time.perf_counter()
-    reqs = [eng.add_request(p, sp) for p in prompts[:concurrency]]
-    pending = list(prompts[concurrency:])
-    while eng.has_work:
-        eng.step()
-        done = sum(r.finish_time is not None for r in reqs)
-        while pending and len(reqs) - done < concurrency:
-            reqs.append(eng.add_request(pending.pop(0), sp))
-    wall = time.perf_counter() - t0
-    s = eng.stats
-    tpots = [(r.finish_time - r.first_token_time) / (len(r.output_ids) - 1) for r in reqs]
-    decode_steps = [h for h in s.history if h.decodes > 0]
-    ks = np.array(s.chosen_k, dtype=float)
-    return {
-        "wall_s": wall,
-        "tok_s": len(reqs) * new_tokens / wall,
-        "mean_tpot_ms": 1000 * statistics.mean(tpots),
-        "tpots": tpots,
-        "acceptance_rate": s.acceptance_rate,
-        "verified_acceptance_rate": s.verified_acceptance_rate,
-        "accept_at_1": s.accepted_at[0] / s.verified_at[0] if s.verified_at[0] else None,
-        "mean_accepted_length": s.mean_accepted_length,
-        "mean_k": float((ks * np.arange(len(ks))).sum() / max(ks.sum(), 1)),
-        "max_step_ms": 1000 * max((h.step_s for h in decode_steps), default=0.0),
-        "steps": s.steps,
-        "slo_step_misses": s.slo_step_misses,
-        "policy_time_per_step_us": 1e6 * s.policy_time_total / max(s.steps, 1),
-        "step_time_mean_ms": 1000 * s.step_time_total / max(s.steps, 1),
-    }
+    """Closed loop until every prompt has been served once."""
+    return run_loops([ClosedLoop(eng, prompts, new_tokens, concurrency)], len(prompts))[0]
+
+
+def policy_engine(base: Engine, name: str, k_max: int, drafter: str, kv_tokens: int) -> Engine:
+    """An engine running policy `name` on base's models (shared weights) with its own KV pool
+    and KV storage, so engines stepped in turn never share blocks."""
+    parts = base.parts
+    blocks = max(1, kv_tokens // base.cfg.block_size)
+
+    def runner(r: ModelRunner | None) -> ModelRunner | None:
+        if r is None:
+            return None
+        kv = KVStorage(r.cfg, blocks, base.cfg.block_size, r.kv.k.dtype, r.device)
+        return ModelRunner(r.model, kv, r.backend, base.cfg.block_size)
+
+    parts = dataclasses.replace(
+        parts, target=runner(parts.target), draft=runner(parts.draft),
+        allocator=BlockAllocator(blocks, base.cfg.block_size),
+        policy=make_policy(name, parts.cost, k_max=k_max, drafter=drafter,
+                           calibration=parts.calibration),
+    )
+    cfg = dataclasses.replace(base.cfg, spec_policy=name, kv_cache_tokens=blocks * base.cfg.block_size)
+    return Engine(cfg, parts=parts)
 
 
 def _median_run(runs: list[dict]) -> dict:
@@ -100,37 +203,54 @@ def main(argv=None) -> dict:
                     help="requests per run at least: a small batch runs several prompts in "
                          "turn (one 64-token request at batch 1 is ~20 steps, too few to rank "
                          "policies within a few percent)")
+    ap.add_argument("--length-spread", type=float, default=0.5,
+                    help="output lengths spread evenly over new_tokens * (1 +- this)")
+    ap.add_argument("--requests-per-slot", type=float, default=2.0,
+                    help="run until every policy has finished this many requests per batch "
+                         "slot (at least --min-requests)")
+    ap.add_argument("--sequential", action="store_true",
+                    help="run the policies one after another in each repeat instead of one "
+                         "engine step each in turn")
+    ap.add_argument("--kv-tokens", type=int, default=16384,
+                    help="KV capacity of each policy's engine, in tokens")
     ap.add_argument("--out", default="out/bench_spec.json")
     args = ap.parse_args(argv)
     policies = args.policies.split(",")
     batches = [int(b) for b in args.batches.split(",")]
     base = Engine(EngineConfig(
         spec_policy="fixed:1", k_max=args.k_max, tpot_slo=args.tpot_slo, drafter=args.drafter,
+        kv_cache_tokens=args.kv_tokens,
         scheduler=SchedulerConfig(max_running_requests=max(batches), max_step_tokens=8192),
     ))
-    engines = {}
-    for name in policies:  # same models and KV pool, a fresh policy each
-        parts = dataclasses.replace(base.parts, policy=make_policy(
-            name, base.parts.cost, k_max=args.k_max, drafter=args.drafter,
-            calibration=base.parts.calibration))
-        engines[name] = Engine(dataclasses.replace(base.cfg, spec_policy=name), parts=parts)
+    # same models, a fresh policy, KV pool and KV storage each
+    engines = {name: policy_engine(base, name, args.k_max, args.drafter, args.kv_tokens)
+               for name in policies}
     rows = []
     for b in batches:
-        n = max(b, args.min_requests)
+        n = max(round(b * args.requests_per_slot), args.min_requests)
         prompts = [base.encode(p) for p in ordinary_prompts(n)]
         if args.prompt_tokens:
             prompts = [p[: args.prompt_tokens] for p in prompts]
+        # output lengths spread around --new-tokens, so requests finish at different steps
+        # and the closed loop settles into a steady mix of prefills and decodes instead of
+        # waves of b prefills at once
+        spread = args.new_tokens * args.length_spread
+        lengths = np.random.default_rng(0).permutation(np.linspace(
+            args.new_tokens - spread, args.new_tokens + spread, n).round().astype(int)).tolist()
         for eng in engines.values():  # warm-up
             run_once(eng, prompts[:1], 4)
         runs: dict[str, list[dict]] = {p: [] for p in policies}
         for rep in range(args.repeats):
             order = policies[rep % len(policies):] + policies[: rep % len(policies)]
-            for name in order:
-                runs[name].append(run_once(engines[name], prompts, args.new_tokens, b))
+            loops = [ClosedLoop(engines[name], prompts, lengths, b) for name in order]
+            for name, res in zip(order, run_loops(loops, n, interleave=not args.sequential)):
+                runs[name].append(res)
         for name in policies:
             paired = ([r["tok_s"] / a["tok_s"] for r, a in zip(runs[name], runs["ar"])]
                       if "ar" in runs else [float("nan")])
-            rows.append({"batch": b, "policy": name, **_median_run(runs[name]),
+            drafter = getattr(engines[name].parts.policy, "drafter", None)
+            theta = getattr(drafter, "theta", None)  # the online cost correction (specserve)
+            rows.append({"batch": b, "policy": name, **_median_run(runs[name]), "cost_theta": theta,
                          "speedup_vs_ar": statistics.median(paired), "speedup_vs_ar_all": paired})
     table = []
     for r in rows:
