@@ -31,6 +31,7 @@ from sloserve.bench.synthetic import SyntheticWorkload, cpu_cost_model, make_ste
 from sloserve.drafter.policy import SpecPolicy, StepInfo, VerifyOutcome
 from sloserve.drafter.registry import make_policy
 from sloserve.estimator.cost_model import CostModel, ForwardCost
+from sloserve.estimator.step_time import StepTimer
 
 
 def gpu_cost_model() -> CostModel:
@@ -59,10 +60,12 @@ def clock_pair_cost(clock) -> float:
 
 
 def timed_step(
-    policy: SpecPolicy, step: StepInfo, conf_all: np.ndarray, work, clock=time.perf_counter
+    policy: SpecPolicy, step: StepInfo, conf_all: np.ndarray, work, clock=time.perf_counter,
+    cost: CostModel | None = None,
 ) -> tuple:
     """One step in engine order. Returns ([start, extend, verify, observe] policy seconds,
-    extend calls, drafted, verified, accepted)."""
+    extend calls, drafted, verified, accepted). The step "measures" the cost model's time of
+    the plan (cost; 0 without), so policies that learn from step times do that work too."""
     B, k_max = conf_all.shape
     conf = np.full((B, k_max), np.nan)
     drafted = np.zeros(B, dtype=np.int64)
@@ -83,7 +86,8 @@ def timed_step(
     verified = policy.verify_lengths(step, conf[:, :s], drafted)
     spent[2] = clock() - t0
     accepted = work.accept(conf[:, :s], verified)
-    outcome = VerifyOutcome(drafted, verified, accepted, conf[:, :s], 0.0, 0.0)
+    step_time = StepTimer(cost, step).plan(drafted, verified) if cost is not None else 0.0
+    outcome = VerifyOutcome(drafted, verified, accepted, conf[:, :s], step_time, 0.0)
     t0 = clock()
     policy.observe(step, outcome)
     spent[3] = clock() - t0
@@ -105,7 +109,7 @@ def bench_one(
     for i in range(warmup + steps):
         step = make_step(batch, context=context, k_max=k_max, lag=np.zeros(batch, np.int64))
         conf_all = work.confidences(np.repeat(mean[:, None], k_max, axis=1))  # [B, k_max]
-        spent, n_ext, d, v, a = timed_step(policy, step, conf_all, work, tick)
+        spent, n_ext, d, v, a = timed_step(policy, step, conf_all, work, tick, cost)
         spent[0] -= pair
         spent[1] -= pair * n_ext
         spent[2] -= pair

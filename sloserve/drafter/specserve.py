@@ -16,7 +16,6 @@ from sloserve.drafter.policy import SpecPolicy, StepInfo, VerifyOutcome
 from sloserve.estimator.acceptance import ConfidenceCalibrator, chain_probs
 from sloserve.estimator.cost_model import CostModel
 from sloserve.estimator.efficiency import binding_slo
-from sloserve.estimator.step_time import StepTimer
 from sloserve.verifier.elimination import eliminate_padded, eliminate_plan
 
 
@@ -71,11 +70,12 @@ class SpecServePolicy(SpecPolicy):
                 slo=d.slo,
                 paid_tokens=d.timer.paid_verify(float(n)),
                 n_drafted=n,
+                rate=d.rate,
             )
         # P from the real confidences: exact even if the engine drafted other than planned
         P = chain_probs(self.calibrator(confidences))  # [B, s]
         slo = binding_slo(step) / self.drafter.slo_scale
-        return eliminate_plan(StepTimer(self.cost, step), P, drafted, slo)
+        return eliminate_plan(self.drafter.timer_for(step), P, drafted, slo, self.drafter.rate)
 
     def observe(self, step: StepInfo, outcome: VerifyOutcome) -> None:
         self.drafter.observe(step, outcome)

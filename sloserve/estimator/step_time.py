@@ -69,14 +69,20 @@ class StepTimer:
     """Per-step cached quantities of the cost model: build once per decode step.
 
     Every policy that scores plans during a step shares these sums, so each score is a
-    handful of float operations.
+    handful of float operations. plain_scale multiplies the plain-decoding time only (the
+    online correction prices plain and speculative work apart: online_cost.py). lag_cap:
+    price at most this many catch-up tokens per request (the adaptive drafter's amortized
+    pricing, adaptive.py); None prices the real lag.
     """
 
-    def __init__(self, cost: CostModel, step: StepInfo) -> None:
+    def __init__(self, cost: CostModel, step: StepInfo, plain_scale: float = 1.0,
+                 lag_cap: float | None = None) -> None:
         self.cost = cost
         self.batch_size = step.batch_size
         self.n = np.asarray(step.context_lens, dtype=np.float64)  # [B] target KV lengths
         self.lag = draft_lag(step)  # [B]
+        if lag_cap is not None:
+            self.lag = np.minimum(self.lag, lag_cap)
         self.has_lag = bool(np.count_nonzero(self.lag))
         self.verify_ctx = float(self.n.sum()) + float(step.prefill_context)
         self.verify_q0 = float(self.batch_size + step.prefill_tokens)  # query tokens at k = 0
@@ -85,6 +91,7 @@ class StepTimer:
         self.plain = verify_time(cost.target, self.verify_ctx, self.verify_q0) + cost.overhead
         if step.prefill_tokens:
             self.plain += cost.draft.time(step.prefill_context, step.prefill_tokens)
+        self.plain *= plain_scale
         self.token_time = cost.target.b  # verify seconds per extra draft token past the knee
         # draft tokens the verify forward takes in before they cost token_time each
         self.free_verify = max(0.0, cost.target.q0 - self.verify_q0)

@@ -12,7 +12,9 @@ tokens by P_{r,j}. Removing it raises E iff P_{r,j} < token_time * E. Past the t
 have been made, a removal saves nothing and never raises E. One sort of all
 candidate tokens plus prefix sums scores every removal count at once; the greedy stops at
 the first removal that does not help, which is also the best prefix (E rises while tokens
-below the threshold go, and the threshold falls once E does).
+below the threshold go, and the threshold falls once E does). With a `rate` (the adaptive
+drafter's measured long-run throughput) the threshold is token_time * rate instead of
+token_time * E, for the reason given in drafter/adaptive.py.
 """
 
 from __future__ import annotations
@@ -60,10 +62,13 @@ def eliminate_padded(
     slo: float,
     paid_tokens: float = float("inf"),
     n_drafted: int | None = None,
+    rate: float | None = None,
 ) -> np.ndarray:
     """`eliminate` for a P that is +inf exactly past each row's drafted tokens (the adaptive
     drafter keeps it that way), which saves building the candidate list. n_drafted:
-    drafted.sum() when the caller has it."""
+    drafted.sum() when the caller has it. rate: tokens per second to compare against
+    instead of the plan's own E (the drafter's measured long-run rate, adaptive.py): a token
+    goes when it earns less than its verify time would earn at that rate."""
     B, s = P.shape
     n = int(drafted.sum()) if n_drafted is None else n_drafted  # candidates: finite entries
     f_order = P.flags.f_contiguous and not P.flags.c_contiguous  # e.g. a transposed view
@@ -75,11 +80,17 @@ def eliminate_padded(
     removed = np.arange(n, dtype=np.float64)  # [n] removals made before candidate i
     if paid_tokens >= n:  # every removal saves token_time (no knee in reach)
         time_prev = step_time - token_time * removed  # [n]
-        remove = p_sorted * time_prev < token_time * tokens_prev  # P < token_time * E_prev
+        if rate is None:
+            remove = p_sorted * time_prev < token_time * tokens_prev  # P < token_time * E_prev
+        else:
+            remove = p_sorted < token_time * rate
     else:
         saving = np.where(removed < paid_tokens, token_time, 0.0)  # [n] seconds removing i saves
         time_prev = step_time - token_time * np.minimum(removed, paid_tokens)  # [n]
-        remove = p_sorted * time_prev < saving * tokens_prev  # P < saving * E_prev
+        if rate is None:
+            remove = p_sorted * time_prev < saving * tokens_prev  # P < saving * E_prev
+        else:
+            remove = p_sorted < saving * rate
     if slo < float("inf"):
         remove |= time_prev > slo  # the SLO rule: remove regardless
     n_remove = int(remove.argmin()) if n else 0
@@ -91,7 +102,8 @@ def eliminate_padded(
     return drafted - np.bincount(rows, minlength=B)
 
 
-def eliminate_plan(timer: StepTimer, P: np.ndarray, drafted: np.ndarray, slo: float) -> np.ndarray:
+def eliminate_plan(timer: StepTimer, P: np.ndarray, drafted: np.ndarray, slo: float,
+                   rate: float | None = None) -> np.ndarray:
     """`eliminate` for a plan whose token sum and step time are not tracked yet."""
     drafted = np.asarray(drafted, dtype=np.int64)
     if P.shape[1] == 0 or not drafted.any():
@@ -107,4 +119,5 @@ def eliminate_plan(timer: StepTimer, P: np.ndarray, drafted: np.ndarray, slo: fl
         token_time=timer.token_time,
         slo=slo,
         paid_tokens=timer.paid_verify(float(drafted.sum())),
+        rate=rate,
     )

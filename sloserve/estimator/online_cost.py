@@ -1,0 +1,101 @@
+"""Online correction of the profiled step time from the engine's measured step times.
+
+The offline profile times each model's forwards in isolation. Inside the engine a step also
+pays what that cannot see: caches cold after the other model's forward, ragged padding of
+verify segments, the controller's own calls between draft forwards; and this machine's
+speed drifts. Measured on the built-in CPU pair at batch 4 (2026-11-22): plain steps ran 8%
+faster than the profile said, speculative steps 2-12% slower, so the profile put the price
+of speculation ~20% too low relative to plain decoding, and the controller speculated where
+fixed small k or plain decoding did better.
+
+A step's profiled time splits into `plain` (the step without speculation), `draft` (its draft
+forwards) and `verify` (what its verified draft tokens add to the target forward), each
+corrected by its own scale:
+
+    measured draft time        = theta_draft * draft
+    measured step - draft time = theta_plain * plain + theta_verify * verify
+
+The engine measures the drafting loop on its own, so theta_draft is a ratio fit and the
+other two a two-feature fit. Each is an exponentially weighted least-squares fit (forgetting
+factor `forget`: an effective window of 1 / (1 - forget) steps) with a prior at 1, scaled to
+the features' own magnitudes: `prior_weight` pseudo-steps that fade like the samples (the fit
+starts at the profile and moves as evidence comes) on top of `ridge` pseudo-steps that stay
+(a scale without evidence, e.g. theta_verify while speculation is off, stays at the profile;
+it biases a scale with evidence by ~ridge * (1 - forget), 0.5% by default). A sample more
+than `clip` times off the current prediction is clipped to that ratio (a GC pause or a
+preempted step must not swing the fit), and every scale stays in [1 / max_scale, max_scale].
+"""
+
+from __future__ import annotations
+
+
+class StepCostCorrection:
+    def __init__(self, forget: float = 0.98, prior_weight: float = 8.0, ridge: float = 0.25,
+                 clip: float = 2.0, max_scale: float = 2.0) -> None:
+        if not 0.0 < forget <= 1.0:
+            raise ValueError(f"forget must be in (0, 1], got {forget}")
+        self.forget = forget
+        self.prior_left = prior_weight  # the fading prior's pseudo-steps
+        self.ridge = ridge
+        self.clip = clip
+        self.max_scale = max_scale
+        # exponentially weighted sums: x = (plain, verify), y = measured step - draft time;
+        # d = draft, m = measured draft time
+        self.spp = self.spv = self.svv = 0.0
+        self.spy = self.svy = 0.0
+        self.sdd = self.sdm = 0.0
+        self.n = 0.0  # weighted sample count
+        self.nd = 0.0  # weighted count of samples with drafting
+        self.theta_plain = self.theta_draft = self.theta_verify = 1.0
+
+    @property
+    def theta(self) -> tuple[float, float, float]:
+        """(theta_plain, theta_draft, theta_verify)."""
+        return self.theta_plain, self.theta_draft, self.theta_verify
+
+    def _clipped(self, measured: float, predicted: float) -> float:
+        return min(max(measured, predicted / self.clip), predicted * self.clip)
+
+    def observe(self, plain: float, draft: float, verify: float, measured: float,
+                measured_draft: float | None = None) -> None:
+        """One step: its profiled plain, draft and verify seconds, its measured seconds and
+        the measured seconds of its drafting (None: not measured, taken as predicted)."""
+        if plain <= 0.0 or measured <= 0.0 or draft < 0.0 or verify < 0.0:
+            return
+        f = self.forget
+        self.prior_left *= f
+        if draft > 0.0 and measured_draft is not None and measured_draft > 0.0:
+            m = self._clipped(measured_draft, self.theta_draft * draft)
+            self.sdd = f * self.sdd + draft * draft
+            self.sdm = f * self.sdm + draft * m
+            self.nd = f * self.nd + 1.0
+            lam = (self.prior_left + self.ridge) * self.sdd / self.nd
+            self.theta_draft = self._bound((self.sdm + lam) / (self.sdd + lam))
+            rest = measured - m
+        else:
+            rest = measured - self.theta_draft * draft
+        y = self._clipped(rest, self.theta_plain * plain + self.theta_verify * verify)
+        self.spp = f * self.spp + plain * plain
+        self.spv = f * self.spv + plain * verify
+        self.svv = f * self.svv + verify * verify
+        self.spy = f * self.spy + plain * y
+        self.svy = f * self.svy + verify * y
+        self.n = f * self.n + 1.0
+        self._solve()
+
+    def _bound(self, x: float) -> float:
+        return min(max(x, 1.0 / self.max_scale), self.max_scale)
+
+    def _solve(self) -> None:
+        # pull toward (1, 1): pseudo-steps of each feature's mean square (the plain one
+        # stands in for verify until speculation has run)
+        w = self.prior_left + self.ridge
+        lam_p = w * self.spp / self.n
+        lam_v = w * (self.svv / self.n if self.svv > 0.0 else self.spp / self.n)
+        a11, a12, a22 = self.spp + lam_p, self.spv, self.svv + lam_v
+        b1, b2 = self.spy + lam_p, self.svy + lam_v
+        det = a11 * a22 - a12 * a12
+        if det <= 0.0:
+            return
+        self.theta_plain = self._bound((a22 * b1 - a12 * b2) / det)
+        self.theta_verify = self._bound((a11 * b2 - a12 * b1) / det)

@@ -1,0 +1,170 @@
+"""Online cost correction (estimator/online_cost.py) and the adaptive drafter's use of it:
+the fit recovers known scales, and a profile that prices speculation too low stops
+misleading the policy once measured steps say so. Also the drafter's amortized catch-up and
+its measured-rate rule (drafter and verifier)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from sloserve.bench.synthetic import cpu_cost_model, make_step
+from sloserve.drafter.policy import VerifyOutcome
+from sloserve.drafter.specserve import SpecServePolicy
+from sloserve.estimator.online_cost import StepCostCorrection
+from sloserve.estimator.step_time import StepTimer, draft_time
+
+COST = cpu_cost_model()
+
+
+def test_correction_recovers_known_scales():
+    rng = np.random.default_rng(0)
+    c = StepCostCorrection()
+    assert c.theta == (1.0, 1.0, 1.0)  # starts at the profile
+    for _ in range(300):
+        plain = rng.uniform(0.02, 0.08)
+        spec = rng.random() < 0.8
+        draft = rng.uniform(0.002, 0.02) if spec else 0.0
+        verify = rng.uniform(0.0, 0.02) if spec else 0.0
+        noise = rng.normal(1.0, 0.03)
+        c.observe(plain, draft, verify, (0.9 * plain + 1.3 * draft + 1.6 * verify) * noise,
+                  1.3 * draft * noise)
+    assert c.theta_plain == pytest.approx(0.9, rel=0.03)
+    assert c.theta_draft == pytest.approx(1.3, rel=0.03)
+    assert c.theta_verify == pytest.approx(1.6, rel=0.05)
+
+
+def test_a_scale_without_evidence_stays_at_the_profile():
+    c = StepCostCorrection()
+    for _ in range(100):  # speculation off: only plain steps, 20% slower than profiled
+        c.observe(0.05, 0.0, 0.0, 0.06)
+    assert c.theta_plain == pytest.approx(1.2, rel=0.01)
+    assert c.theta_draft == c.theta_verify == pytest.approx(1.0)
+
+
+def test_unmeasured_drafting_is_taken_at_its_current_scale():
+    c = StepCostCorrection()
+    for _ in range(200):  # no separate draft timing (measured_draft None)
+        c.observe(0.05, 0.01, 0.01, 0.05 + 0.01 + 1.5 * 0.01)
+    assert c.theta_draft == 1.0
+    assert 0.05 * c.theta_plain + 0.01 * c.theta_verify == pytest.approx(0.065, rel=0.01)
+
+
+def test_an_outlier_step_is_clipped():
+    c = StepCostCorrection()
+    for _ in range(50):
+        c.observe(0.05, 0.01, 0.01, 0.07, 0.01)
+    c.observe(0.05, 0.01, 0.01, 5.0, 3.0)  # a pause 70x (GC, preemption) counts as 2x at most
+    assert max(c.theta) < 1.2
+
+
+def _plan(policy, step, conf):
+    drafting = policy.start(step)
+    drafted = np.zeros(step.batch_size, dtype=np.int64)
+    j = 0
+    while drafting.any() and j < step.k_max:
+        drafted += drafting
+        j += 1
+        drafting = policy.extend(step, conf[:, :j], drafting)
+    k = policy.verify_lengths(step, conf[:, : max(j, 1)], drafted) if j else drafted
+    return drafted, np.asarray(k)
+
+
+def test_policy_drafts_less_once_speculation_measures_dearer_than_profiled():
+    """Steps whose drafting runs 1.5x and whose verified tokens 1.8x their profiled time: the
+    fitted scales find it and the plans shrink; a policy without the correction keeps
+    planning as before."""
+    B = 16
+    conf = np.full((B, 8), 0.8)
+    corrected = SpecServePolicy(COST, 8, prior=0.8)
+    profile_only = SpecServePolicy(COST, 8, prior=0.8, correct_cost=False)
+    first = {}
+    # varied steps (contexts, confidences: plans of every size) so plain and extra time vary
+    # apart and both scales are identifiable
+    rng = np.random.default_rng(0)
+    contexts, means = rng.integers(64, 4096, 150), rng.uniform(0.3, 0.95, 150)
+    for i in range(150):
+        for name, policy in (("corrected", corrected), ("profile", profile_only)):
+            step = make_step(B, context=512 if i == 0 else contexts[i])
+            drafted, k = _plan(policy, step, conf if i == 0 else np.full((B, 8), means[i]))
+            if i == 0:
+                first[name] = int(k.sum())
+            truth = StepTimer(COST, step, lag_cap=policy.drafter.lag_cap)
+            drafting = draft_time(COST.draft, truth.n, truth.lag, drafted)
+            verify = truth.plan(drafted, k) - truth.plain - drafting
+            measured = truth.plain + 1.5 * drafting + 1.8 * verify
+            policy.observe(step, VerifyOutcome(
+                drafted=drafted, verified=k, accepted=np.minimum(k, 2),
+                confidences=conf[:, : max(int(drafted.max()), 1)], step_time=measured,
+                draft_time=1.5 * drafting))
+    assert first["corrected"] == first["profile"] > 0  # same start: the profile
+    theta_plain, theta_draft, theta_verify = corrected.drafter.theta
+    assert theta_plain == pytest.approx(1.0, rel=0.05)
+    assert theta_draft == pytest.approx(1.5, rel=0.02)
+    assert theta_verify == pytest.approx(1.8, rel=0.05)
+    late_corrected = int(_plan(corrected, make_step(B, context=512), conf)[1].sum())
+    late_profile = int(_plan(profile_only, make_step(B, context=512), conf)[1].sum())
+    assert late_corrected < 0.8 * late_profile
+
+
+def test_a_paused_request_resumes_priced_like_one_that_drafted_last_step():
+    """Catch-up tokens owed to the draft model after steps without drafting are not charged
+    to the step that resumes (they would grow a token per paused step and make every pause
+    permanent)."""
+    B = 16
+    after_pause = SpecServePolicy(COST, 8, prior=0.8).start(
+        make_step(B, context=512, lag=np.full(B, 40)))
+    steady = SpecServePolicy(COST, 8, prior=0.8).start(make_step(B, context=512, lag=np.ones(B)))
+    np.testing.assert_array_equal(after_pause, steady)
+    assert steady.any()
+    real_price = SpecServePolicy(COST, 8, prior=0.8, lag_cap=None).start(
+        make_step(B, context=512, lag=np.full(B, 40)))
+    assert real_price.sum() < steady.sum()  # what the cap is for
+
+
+def _measured_rate(policy, B, rate_steps=20):
+    """Feed the policy steps whose measured throughput is known: B + accepted tokens over
+    step_time each."""
+    for _ in range(rate_steps):
+        step = make_step(B, context=512)
+        drafted, k = _plan(policy, step, np.full((B, 8), 0.8))
+        policy.observe(step, VerifyOutcome(
+            drafted=drafted, verified=k, accepted=np.minimum(k, 1),
+            confidences=np.full((B, max(int(drafted.max()), 1)), 0.8),
+            step_time=StepTimer(COST, step).plan(drafted, k), draft_time=0.0))
+
+
+def test_measured_rate_prices_prefill_and_decode_steps_alike():
+    """With the long-run rate, a draft token is worth the same whether or not the step also
+    carries a prefill chunk; the step's own E (the paper's rule) drafts more beside a
+    prefill, whose time makes every step's E look low."""
+    B = 16
+    conf = np.full((B, 8), 0.7)
+    plans = {}
+    for use_rate in (True, False):
+        policy = SpecServePolicy(COST, 8, prior=0.7, long_run_rate=use_rate, correct_cost=False)
+        _measured_rate(policy, B)
+        assert (policy.drafter.rate is not None) == use_rate
+        for prefill in (0, 2048):
+            step = make_step(B, context=512)
+            step = dataclasses.replace(step, prefill_tokens=prefill, prefill_context=prefill)
+            plans[use_rate, prefill] = _plan(policy, step, conf)[1].sum()
+    assert plans[True, 0] == plans[True, 2048]
+    assert plans[False, 2048] > plans[False, 0]
+
+
+def test_elimination_at_a_rate_keeps_tokens_that_earn_more_than_their_time():
+    from sloserve.verifier.elimination import eliminate_padded
+
+    P = np.array([[0.9, 0.5, 0.2], [0.8, 0.3, np.inf]])  # [B, s], inf past drafted
+    drafted = np.array([3, 2])
+    token_time = 0.001
+    # rate 400 tokens/s: a verified token must earn 0.4 tokens
+    k = eliminate_padded(P, drafted, tokens=4.7, step_time=0.05, token_time=token_time,
+                         slo=np.inf, rate=400.0)
+    np.testing.assert_array_equal(k, [2, 1])
+    k = eliminate_padded(P, drafted, tokens=4.7, step_time=0.05, token_time=token_time,
+                         slo=np.inf, rate=100.0)  # 0.1 tokens: all stay
+    np.testing.assert_array_equal(k, [3, 2])
