@@ -93,7 +93,10 @@ class AdaptiveDrafter:
         lag_cap: float | None = 1.0,
         long_run_rate: bool = True,
         rate_forget: float = 0.98,
+        calibrate_every: int = 8,
     ) -> None:
+        self.calibrate_every = calibrate_every  # verify outcomes counted per batch
+        self._outcomes: list[tuple] = []  # outcomes not counted yet
         # measured throughput: exponentially weighted decode tokens and seconds of steps
         self.use_rate = long_run_rate
         self.rate_forget = rate_forget
@@ -166,8 +169,13 @@ class AdaptiveDrafter:
     def observe(self, step: StepInfo, outcome: VerifyOutcome) -> None:
         """Calibrate g, keep the per-request histories, refresh the global prior, and track
         how much longer speculative steps ran than the cost model said (the SLO guard)."""
-        conf = np.asarray(outcome.confidences, dtype=np.float64)
-        self.g.update(conf, outcome.verified, outcome.accepted)
+        # calibration outcomes are counted a few steps at a time: the first numpy call after
+        # a forward runs on cold caches (~4x its warm time in the engine), the next ones warm
+        self._outcomes.append((outcome.confidences, outcome.verified, outcome.accepted))
+        if len(self._outcomes) >= self.calibrate_every:
+            for conf, verified, accepted in self._outcomes:
+                self.g.update(conf, verified, accepted)
+            self._outcomes.clear()
         tracked = self.step is step
         if outcome.step_time > 0.0 and self.use_rate:
             f = self.rate_forget
@@ -177,19 +185,23 @@ class AdaptiveDrafter:
         if outcome.step_time > 0.0:
             timer = self.timer if tracked else self.timer_for(step)
             n_drafted = int(outcome.drafted.sum())
+            drafting = None  # seconds of the draft forwards, when known without computing
             if not n_drafted:
                 predicted = timer.plain
+                drafting = 0.0
             elif tracked and n_drafted == self.k_total:
                 # the engine drafted exactly the plan (it can only draft a subset of it): its
                 # time is known, less the verify tokens that elimination removed
-                predicted = self.time - float(timer.verify_extra(n_drafted)) + float(
+                planned_verify = float(timer.verify_extra(n_drafted))
+                drafting = self.time - timer.plain - planned_verify
+                predicted = self.time - planned_verify + float(
                     timer.verify_extra(int(outcome.verified.sum())))
             else:
                 predicted = timer.plan(outcome.drafted, outcome.verified)
             if self.correction is not None:  # back to profile seconds: the fit's features
                 theta_plain, theta_draft, theta_verify = self.theta
-                drafting = draft_time(self.cost.draft, timer.n, timer.lag, outcome.drafted) \
-                    if n_drafted else 0.0
+                if drafting is None:
+                    drafting = draft_time(self.cost.draft, timer.n, timer.lag, outcome.drafted)
                 self.correction.observe(
                     timer.plain / theta_plain, drafting / theta_draft,
                     max(0.0, predicted - timer.plain - drafting) / theta_verify,
