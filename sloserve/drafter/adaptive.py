@@ -48,8 +48,10 @@ after a verify) of them: the draft model reads them whenever the request specula
 so they are not a cost of speculating now rather than later. Charged in full to the step
 that resumes, they made every pause permanent, since the lag grows a token per step while
 speculation is off (measured on the built-in pair at batch 32: 28% of pure decode steps
-speculated and fixed:1 beat the policy by 15%). The real catch-up time still shows in the
-measured step times, so the online correction and the SLO guard's overrun scale see it.
+speculated and fixed:1 beat the policy by 15%). Under a binding TPOT SLO the drafter prices
+the real catch-up: the SLO rule is about this step's time, which the catch-up really adds
+(amortized there, rare resumptions after prefill-heavy stretches broke the SLO, inflated the
+overrun guard and turned speculation off: 0.96x ar at batch 8, 40 ms).
 
 Per-step state is cached (StepTimer sums, the binding SLO, P, the plan's tokens and time), so
 each call is a fixed handful of numpy operations, independent of B in count.
@@ -85,7 +87,7 @@ class AdaptiveDrafter:
         ema: float = 0.3,
         collapse: float = 0.05,
         start_margin: float = 0.05,
-        overrun_window: int = 64,
+        overrun_window: int = 256,
         initial_overrun: float = 1.3,
         prior: float = 0.6,
         prior_ema: float = 0.05,
@@ -118,9 +120,13 @@ class AdaptiveDrafter:
         # a smaller predicted gain is inside the cost model's error (MAPE 7-12% on the CPU)
         self.start_margin = start_margin
         # worst-case guard: the SLO rule compares predicted step times against
-        # SLO / slo_scale, slo_scale = the largest measured / predicted time of the last
-        # `overrun_window` speculative steps (clipped to [1, 2]), so a cost model that
-        # under-prices the slowest steps does not let them break the SLO
+        # SLO / slo_scale, slo_scale = the largest measured / predicted time over the last
+        # `overrun_window` steps with an SLO (clipped to [1, 2]), so a cost model that
+        # under-prices the slowest steps does not let them break the SLO. Only speculative
+        # steps without prefill chunks measure an overrun (a prefill's error is not the
+        # speculation's); the others count as 1, so an overrun ages out of the window and
+        # speculation is tried again rather than off for good after one slow stretch (the
+        # window counts every step, 256 of them: about the memory 64 speculative steps had)
         # (until measured, steps are assumed to run up to `initial_overrun` x the model)
         self.overruns: deque[float] = deque([initial_overrun], maxlen=overrun_window)
         self.slo_scale = initial_overrun
@@ -198,7 +204,10 @@ class AdaptiveDrafter:
                     timer.verify_extra(int(outcome.verified.sum())))
             else:
                 predicted = timer.plan(outcome.drafted, outcome.verified)
-            if self.correction is not None:  # back to profile seconds: the fit's features
+            # back to profile seconds: the fit's features. Steps with prefill chunks stay out:
+            # their time is mostly the prefill, priced apart, whose error the fit would
+            # spread over the speculation scales
+            if self.correction is not None and not step.prefill_tokens:
                 theta_plain, theta_draft, theta_verify = self.theta
                 if drafting is None:
                     drafting = draft_time(self.cost.draft, timer.n, timer.lag, outcome.drafted)
@@ -206,10 +215,11 @@ class AdaptiveDrafter:
                     timer.plain / theta_plain, drafting / theta_draft,
                     max(0.0, predicted - timer.plain - drafting) / theta_verify,
                     outcome.step_time, outcome.draft_time)
-            # overruns matter only to the SLO rule: measured on speculative steps with an SLO
+            # overruns matter only to the SLO rule: measured on steps with an SLO
             has_slo = self.slo < float("inf") if tracked else binding_slo(step) < float("inf")
-            if n_drafted and has_slo:
-                self.overruns.append(outcome.step_time / predicted if predicted > 0 else 1.0)
+            if has_slo:
+                measured = n_drafted and not step.prefill_tokens and predicted > 0.0
+                self.overruns.append(outcome.step_time / predicted if measured else 1.0)
                 self.slo_scale = min(2.0, max(1.0, max(self.overruns)))
         if self.step is step and step.batch_size:
             self.history.values[self.slots] = self.pred
@@ -221,8 +231,10 @@ class AdaptiveDrafter:
         self.history.release(request_id)
 
     def timer_for(self, step: StepInfo) -> StepTimer:
-        """A StepTimer with the current step's corrected prices."""
-        return StepTimer(self.cost, step, self.plain_scale, self.lag_cap)
+        """A StepTimer with the current step's corrected prices (catch-up amortized only
+        without a binding SLO)."""
+        lag_cap = self.lag_cap if binding_slo(step) == float("inf") else None
+        return StepTimer(self.cost, step, self.plain_scale, lag_cap)
 
     def _begin(self, step: StepInfo, k_max: int) -> None:
         B = step.batch_size

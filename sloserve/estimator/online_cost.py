@@ -17,11 +17,13 @@ corrected by its own scale:
 
 The engine measures the drafting loop on its own, so theta_draft is a ratio fit and the
 other two a two-feature fit. Each is an exponentially weighted least-squares fit (forgetting
-factor `forget`: an effective window of 1 / (1 - forget) steps) with a prior at 1, scaled to
-the features' own magnitudes: `prior_weight` pseudo-steps that fade like the samples (the fit
-starts at the profile and moves as evidence comes) on top of `ridge` pseudo-steps that stay
-(a scale without evidence, e.g. theta_verify while speculation is off, stays at the profile;
-it biases a scale with evidence by ~ridge * (1 - forget), 0.5% by default). A sample more
+factor `forget`: an effective window of 1 / (1 - forget) steps; every step fades every sum)
+with a prior at 1, scaled to the features' typical magnitudes: `prior_weight` pseudo-steps
+that fade like the samples (the fit starts at the profile and moves as evidence comes) on
+top of `ridge` pseudo-steps that stay. The ridge biases a scale with steady evidence by
+~ridge * (1 - forget), 0.5% by default; a scale whose evidence stops (theta_draft and
+theta_verify while speculation is off) returns to the profile within a few hundred steps,
+so a pessimistic price learned from a few slow steps cannot turn speculation off for good. A sample more
 than `clip` times off the current prediction is clipped to that ratio (a GC pause or a
 preempted step must not swing the fit), and every scale stays in [1 / max_scale, max_scale].
 """
@@ -45,7 +47,9 @@ class StepCostCorrection:
         self.spy = self.svy = 0.0
         self.sdd = self.sdm = 0.0
         self.n = 0.0  # weighted sample count
-        self.nd = 0.0  # weighted count of samples with drafting
+        # typical squares of draft and verify over the samples that had them (they do not
+        # fade while speculation is off, so the prior takes over again)
+        self.d2 = self.v2 = 0.0
         self.theta_plain = self.theta_draft = self.theta_verify = 1.0
 
     @property
@@ -64,34 +68,42 @@ class StepCostCorrection:
             return
         f = self.forget
         self.prior_left *= f
+        w = self.prior_left + self.ridge
+        self.sdd *= f
+        self.sdm *= f
         if draft > 0.0 and measured_draft is not None and measured_draft > 0.0:
             m = self._clipped(measured_draft, self.theta_draft * draft)
-            self.sdd = f * self.sdd + draft * draft
-            self.sdm = f * self.sdm + draft * m
-            self.nd = f * self.nd + 1.0
-            lam = (self.prior_left + self.ridge) * self.sdd / self.nd
-            self.theta_draft = self._bound((self.sdm + lam) / (self.sdd + lam))
+            self.sdd += draft * draft
+            self.sdm += draft * m
+            self.d2 = self._typical(self.d2, draft * draft)
             rest = measured - m
         else:
             rest = measured - self.theta_draft * draft
+        if self.d2 > 0.0:
+            lam = w * self.d2
+            self.theta_draft = self._bound((self.sdm + lam) / (self.sdd + lam))
         y = self._clipped(rest, self.theta_plain * plain + self.theta_verify * verify)
+        if verify > 0.0:
+            self.v2 = self._typical(self.v2, verify * verify)
         self.spp = f * self.spp + plain * plain
         self.spv = f * self.spv + plain * verify
         self.svv = f * self.svv + verify * verify
         self.spy = f * self.spy + plain * y
         self.svy = f * self.svy + verify * y
         self.n = f * self.n + 1.0
-        self._solve()
+        self._solve(w)
+
+    def _typical(self, mean: float, x: float) -> float:
+        return x if mean == 0.0 else mean + (1.0 - self.forget) * (x - mean)
 
     def _bound(self, x: float) -> float:
         return min(max(x, 1.0 / self.max_scale), self.max_scale)
 
-    def _solve(self) -> None:
-        # pull toward (1, 1): pseudo-steps of each feature's mean square (the plain one
+    def _solve(self, w: float) -> None:
+        # pull toward (1, 1): w pseudo-steps of each feature's typical square (the plain one
         # stands in for verify until speculation has run)
-        w = self.prior_left + self.ridge
         lam_p = w * self.spp / self.n
-        lam_v = w * (self.svv / self.n if self.svv > 0.0 else self.spp / self.n)
+        lam_v = w * (self.v2 if self.v2 > 0.0 else self.spp / self.n)
         a11, a12, a22 = self.spp + lam_p, self.spv, self.svv + lam_v
         b1, b2 = self.spy + lam_p, self.svy + lam_v
         det = a11 * a22 - a12 * a12

@@ -44,6 +44,23 @@ def test_a_scale_without_evidence_stays_at_the_profile():
     assert c.theta_draft == c.theta_verify == pytest.approx(1.0)
 
 
+def test_scales_return_to_the_profile_once_their_evidence_stops():
+    """A price learned while speculating fades back to the profile while speculation is off,
+    so a few slow steps cannot turn speculation off for good."""
+    rng = np.random.default_rng(1)
+    c = StepCostCorrection()
+    for _ in range(300):
+        plain, draft, verify = rng.uniform(0.02, 0.08), rng.uniform(0.002, 0.02), rng.uniform(0.0, 0.02)
+        c.observe(plain, draft, verify, plain + 1.5 * draft + 1.8 * verify, 1.5 * draft)
+    assert c.theta_draft == pytest.approx(1.5, rel=0.03)
+    assert c.theta_verify == pytest.approx(1.8, rel=0.05)
+    for _ in range(600):  # speculation off
+        c.observe(0.05, 0.0, 0.0, 0.05)
+    assert c.theta_draft == pytest.approx(1.0, abs=0.05)
+    assert c.theta_verify == pytest.approx(1.0, abs=0.05)
+    assert c.theta_plain == pytest.approx(1.0, abs=0.02)
+
+
 def test_unmeasured_drafting_is_taken_at_its_current_scale():
     c = StepCostCorrection()
     for _ in range(200):  # no separate draft timing (measured_draft None)
@@ -122,6 +139,14 @@ def test_a_paused_request_resumes_priced_like_one_that_drafted_last_step():
     real_price = SpecServePolicy(COST, 8, prior=0.8, lag_cap=None).start(
         make_step(B, context=512, lag=np.full(B, 40)))
     assert real_price.sum() < steady.sum()  # what the cap is for
+    # under a binding SLO the step's real time counts: the catch-up is priced in full
+    slo = np.full(B, 10.0)
+    with_slo = SpecServePolicy(COST, 8, prior=0.8).start(
+        make_step(B, context=512, lag=np.full(B, 40), slo=slo))
+    real_with_slo = SpecServePolicy(COST, 8, prior=0.8, lag_cap=None).start(
+        make_step(B, context=512, lag=np.full(B, 40), slo=slo))
+    np.testing.assert_array_equal(with_slo, real_with_slo)
+    assert with_slo.sum() < steady.sum()
 
 
 def _measured_rate(policy, B, rate_steps=20):
