@@ -32,15 +32,15 @@ get a scale, so a profile that
 prices speculation too low (or a machine that drifted since profiling) does not make the
 drafter over-speculate. `correct_cost=False` scores with the profile alone.
 
-Rate: the paper scores a plan by its own step's E = tokens / time. A step that also carries
-prefill chunks has a low E (its time buys few decode tokens), so by that rule speculation
-looks cheap there and dear in pure decode steps, although a draft token costs and earns the
-same in both. Once the engine has measured steps, the drafter instead scores a plan by its
-net tokens, tokens - rate * time, with rate the measured long-run throughput of the engine
-(decode tokens per second over the last ~1 / (1 - rate_forget) steps): drafting pays when it
-earns more tokens per second than the engine earns on average. Measured on the built-in
-pair at batch 32 (before this rule): 79% of steps with prefill speculated, 28% of pure
-decode steps. `long_run_rate=False` keeps the per-step E.
+Rate (an option, off by default): the paper scores a plan by its own step's E = tokens /
+time. A step that also carries prefill chunks has a low E, so by that rule speculation looks
+cheap there and dear in pure decode steps. With `long_run_rate=True` the drafter scores a
+plan by its net tokens, tokens - rate * time, with rate the engine's measured throughput
+(decode tokens per second over the last ~1 / (1 - rate_forget) steps), and the verifier
+trims at that rate: right when throughput is the goal (closed loop at batch 4-16 on the
+built-in pair: 2-3 points closer to the best fixed k), wrong for latency under open-loop
+traffic, where a step's own E is what its requests' TPOT feels (replay of the Azure
+conversation trace on the GPU-class profile: 1.47x ar with it, 1.55x without).
 
 Catch-up: a request that did not draft for m steps owes the draft model m tokens, fed in
 its next first draft forward. The drafter prices at most `lag_cap` (default 1, the usual lag
@@ -93,7 +93,7 @@ class AdaptiveDrafter:
         prior_ema: float = 0.05,
         correct_cost: bool = True,
         lag_cap: float | None = 1.0,
-        long_run_rate: bool = True,
+        long_run_rate: bool = False,
         rate_forget: float = 0.98,
         calibrate_every: int = 8,
     ) -> None:
