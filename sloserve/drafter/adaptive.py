@@ -28,9 +28,9 @@ anyway.
 
 Prices: the profiled cost model, corrected online from the measured step times
 (estimator/online_cost.py): plain decoding, draft forwards and verified draft tokens each
-get a scale, so a profile that
-prices speculation too low (or a machine that drifted since profiling) does not make the
-drafter over-speculate. `correct_cost=False` scores with the profile alone.
+get a scale, so a profile that prices speculation too low (or a machine that drifted since
+profiling) does not make the drafter over-speculate. `correct_cost=False` scores with the
+profile alone.
 
 Rate (an option, off by default): the paper scores a plan by its own step's E = tokens /
 time. A step that also carries prefill chunks has a low E, so by that rule speculation looks
@@ -183,12 +183,13 @@ class AdaptiveDrafter:
                 self.g.update(conf, verified, accepted)
             self._outcomes.clear()
         tracked = self.step is step
-        if outcome.step_time > 0.0 and self.use_rate:
-            f = self.rate_forget
-            self.rate_tokens = f * self.rate_tokens + float(outcome.accepted.sum()) + step.batch_size
-            self.rate_time = f * self.rate_time + outcome.step_time
-            self.rate = self.rate_tokens / self.rate_time
         if outcome.step_time > 0.0:
+            if self.use_rate:
+                f = self.rate_forget
+                self.rate_tokens = (f * self.rate_tokens + float(outcome.accepted.sum())
+                                    + step.batch_size)
+                self.rate_time = f * self.rate_time + outcome.step_time
+                self.rate = self.rate_tokens / self.rate_time
             timer = self.timer if tracked else self.timer_for(step)
             n_drafted = int(outcome.drafted.sum())
             drafting = None  # seconds of the draft forwards, when known without computing
@@ -230,10 +231,12 @@ class AdaptiveDrafter:
     def release(self, request_id: str) -> None:
         self.history.release(request_id)
 
-    def timer_for(self, step: StepInfo) -> StepTimer:
+    def timer_for(self, step: StepInfo, slo: float | None = None) -> StepTimer:
         """A StepTimer with the current step's corrected prices (catch-up amortized only
-        without a binding SLO)."""
-        lag_cap = self.lag_cap if binding_slo(step) == float("inf") else None
+        without a binding SLO). slo: binding_slo(step), when the caller has it."""
+        if slo is None:
+            slo = binding_slo(step)
+        lag_cap = self.lag_cap if slo == float("inf") else None
         return StepTimer(self.cost, step, self.plain_scale, lag_cap)
 
     def _begin(self, step: StepInfo, k_max: int) -> None:
@@ -245,9 +248,10 @@ class AdaptiveDrafter:
             self.cost = CostModel(c.target.scaled(theta_verify), c.draft.scaled(theta_draft),
                                   c.overhead * theta_verify)
             self.plain_scale = theta_plain / theta_verify
-        self.timer = self.timer_for(step)
+        slo = binding_slo(step)
+        self.timer = self.timer_for(step, slo)
         self.k_max = k_max
-        self.slo = binding_slo(step) / self.slo_scale
+        self.slo = slo / self.slo_scale
         self.slots = self.history.slots(step.request_ids, fill=self.prior)
         self.pred = self.history.values[self.slots]  # fancy index: a copy
         self.p_last = np.ones(B)

@@ -74,8 +74,9 @@ class SpecServePolicy(SpecPolicy):
             )
         # P from the real confidences: exact even if the engine drafted other than planned
         P = chain_probs(self.calibrator(confidences))  # [B, s]
-        slo = binding_slo(step) / self.drafter.slo_scale
-        return eliminate_plan(self.drafter.timer_for(step), P, drafted, slo, self.drafter.rate)
+        slo = binding_slo(step)
+        timer = self.drafter.timer_for(step, slo)
+        return eliminate_plan(timer, P, drafted, slo / self.drafter.slo_scale, self.drafter.rate)
 
     def observe(self, step: StepInfo, outcome: VerifyOutcome) -> None:
         self.drafter.observe(step, outcome)
