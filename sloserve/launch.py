@@ -108,8 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
                    default=_ENGINE.dtype, help="weights and KV dtype (auto: bfloat16 on "
                    "cuda, float32 on cpu)")
-    e.add_argument("--attention-backend", choices=("auto", "torch", "flashinfer"),
-                   default=_ENGINE.attention_backend, help="attention implementation")
+    e.add_argument("--attention-backend", choices=("auto", "cpu", "torch", "flashinfer"),
+                   default=_ENGINE.attention_backend,
+                   help="attention implementation (auto: the C++ kernel backend 'cpu' on the "
+                   "CPU, falling back to 'torch' where it cannot be built)")
     e.add_argument("--profile-path", default=None,
                    help="cost profile file (default: look up configs/profiles)")
     e.add_argument("--num-threads", type=_int_in(1), default=None,

@@ -23,7 +23,7 @@ class EngineConfig:
     kv_cache_tokens: int = 65536  # KV capacity shared by all requests, in tokens
     block_size: int = 16
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    attention_backend: str = "auto"  # auto | torch | flashinfer
+    attention_backend: str = "auto"  # auto | cpu | torch | flashinfer (auto: cpu on the CPU)
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     profile_path: str | None = None  # cost profile; None = look up configs/profiles, else default

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import torch
 
-import sloserve.runtime.attention.torch_backend  # noqa: F401  (registers "torch")
 from sloserve.drafter.policy import SpecPolicy
 from sloserve.estimator.cost_model import CostModel, ForwardCost
-from sloserve.runtime.attention.base import make_backend
+from sloserve.runtime.attention import make_backend
 from sloserve.runtime.config import EngineConfig
 from sloserve.runtime.kv_cache import BlockAllocator, KVStorage
 from sloserve.runtime.model_runner import ModelRunner
@@ -105,11 +104,11 @@ def build_parts(cfg: EngineConfig) -> EngineParts:
         )
     alloc = BlockAllocator(cfg.num_blocks, cfg.block_size)
     t_kv = KVStorage(target_model.cfg, cfg.num_blocks, cfg.block_size, dtype, device)
-    target = ModelRunner(target_model, t_kv, make_backend(cfg.attention_backend), cfg.block_size)
+    target = ModelRunner(target_model, t_kv, make_backend(cfg.attention_backend, device), cfg.block_size)
     draft = None
     if draft_model is not None:
         d_kv = KVStorage(draft_model.cfg, cfg.num_blocks, cfg.block_size, dtype, device)
-        draft = ModelRunner(draft_model, d_kv, make_backend(cfg.attention_backend), cfg.block_size)
+        draft = ModelRunner(draft_model, d_kv, make_backend(cfg.attention_backend, device), cfg.block_size)
     cost, calibration = _load_cost(cfg, target, draft, target_path, draft_path)
     from sloserve.drafter.registry import make_policy
 

@@ -7,9 +7,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from sloserve.runtime.attention.base import make_backend
+from sloserve.runtime.attention import make_backend
 from sloserve.runtime.batch import Segment
-from sloserve.runtime.engine_setup import build_parts  # noqa: F401  (registers backends)
 from sloserve.runtime.kv_cache import BlockAllocator, KVStorage
 from sloserve.runtime.model_runner import ModelRunner
 from sloserve.runtime.models.cpu_linear import pack_linears, packed_linear_available
@@ -41,9 +40,10 @@ def _qwen2():
     return m
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("packed", [False, True], ids=["F.linear", "onednn-packed"])
 @pytest.mark.parametrize("make", [_llama, _qwen2], ids=["llama3-rope-gqa", "qwen2-bias-tied"])
-def test_ragged_logits_match_transformers(make, packed, tmp_path):
+def test_ragged_logits_match_transformers(make, packed, backend, tmp_path):
     torch.manual_seed(0)
     ref = make().eval()
     ref.save_pretrained(tmp_path)
@@ -55,7 +55,7 @@ def test_ragged_logits_match_transformers(make, packed, tmp_path):
     bs = 4
     alloc = BlockAllocator(128, bs)
     runner = ModelRunner(ours, KVStorage(ours.cfg, 128, bs, torch.float32, "cpu"),
-                         make_backend("torch"), bs)
+                         make_backend(backend), bs)
     seqs = [torch.randint(0, 128, (n,)).tolist() for n in (9, 40, 23, 5, 2)]
     blocks = [alloc.allocate(alloc.blocks_for(len(s))) for s in seqs]
     # step 1: prefill prefixes (one long chunk, several short); step 2: the rest mixed —

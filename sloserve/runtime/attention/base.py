@@ -42,9 +42,15 @@ def register_backend(name: str, factory: Callable[[], AttentionBackend]) -> None
     _REGISTRY[name] = factory
 
 
-def make_backend(name: str) -> AttentionBackend:
+def make_backend(name: str, device: str = "cpu") -> AttentionBackend:
+    """The backend called `name`; "auto" picks by device: FlashInfer on CUDA where it is
+    installed, else the torch backend; on the CPU the C++ kernel backend ("cpu", which keeps
+    the torch path where its kernel cannot be built)."""
     if name == "auto":
-        name = "flashinfer" if torch.cuda.is_available() and "flashinfer" in _REGISTRY else "torch"
+        if str(device).startswith("cuda"):
+            name = "flashinfer" if "flashinfer" in _REGISTRY else "torch"
+        else:
+            name = "cpu"
     if name not in _REGISTRY:
         raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_REGISTRY)}")
     return _REGISTRY[name]()

@@ -49,7 +49,7 @@ class TorchAttnMeta:
         return self._folded[group]
 
 
-def _plan_small(meta: TorchAttnMeta, batch: ForwardBatch, small: list[int]) -> None:
+def plan_small_padded(meta: TorchAttnMeta, batch: ForwardBatch, small: list[int]) -> None:
     rows = torch.tensor(small, dtype=torch.long)
     q_len, start = batch.q_lens[rows], batch.starts[rows]
     kv_len = start + q_len
@@ -70,52 +70,72 @@ def _plan_small(meta: TorchAttnMeta, batch: ForwardBatch, small: list[int]) -> N
     meta.shape = (bs, max_q, max_kv)
 
 
+def small_segments(batch: ForwardBatch) -> list[int]:
+    """Indices of the segments that run batched (few query tokens); the rest run one by one."""
+    return [i for i, s in enumerate(batch.segments) if s.q_len <= SMALL_Q]
+
+
+def plan_prefills(meta: TorchAttnMeta, batch: ForwardBatch) -> None:
+    for i, s in enumerate(batch.segments):
+        if s.q_len <= SMALL_Q:
+            continue
+        slots = batch.kv_slots(torch.tensor([i]), s.kv_len)[0]
+        mask = None
+        if s.start > 0:
+            key_pos = torch.arange(s.kv_len)
+            q_pos = torch.arange(s.start, s.kv_len)
+            mask = key_pos[None, :] <= q_pos[:, None]
+        t0 = batch.qo_indptr[i]
+        meta.prefills.append(_Prefill(t0, t0 + s.q_len, slots, mask))
+
+
+def run_prefills(q, k_cache, v_cache, meta: TorchAttnMeta, scale: float, out: torch.Tensor) -> None:
+    """One SDPA call per long segment, written into its rows of out."""
+    for p in meta.prefills:
+        qs = q[p.t0 : p.t1].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+        k = k_cache.index_select(0, p.kv_slots).transpose(0, 1).unsqueeze(0)
+        v = v_cache.index_select(0, p.kv_slots).transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(
+            qs, k, v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True
+        )
+        out[p.t0 : p.t1] = o[0].transpose(0, 1)
+
+
+def run_small_padded(q, k_cache, v_cache, meta: TorchAttnMeta, scale: float, out: torch.Tensor) -> None:
+    """The short segments as one padded SDPA call, written into their rows of out."""
+    if meta.q_rows is None:
+        return
+    T, H, D = q.shape
+    KVH = k_cache.shape[1]
+    G = H // KVH
+    bs, mq, mkv = meta.shape
+    q_ext = torch.cat([q, q.new_zeros(1, H, D)])
+    qp = q_ext[meta.q_rows]  # [Bs, max_q, H, D]
+    qp = qp.view(bs, mq, KVH, G, D).permute(0, 2, 3, 1, 4).reshape(bs, KVH, G * mq, D)
+    k = k_cache.index_select(0, meta.kv_slots).view(bs, mkv, KVH, D).transpose(1, 2)
+    v = v_cache.index_select(0, meta.kv_slots).view(bs, mkv, KVH, D).transpose(1, 2)
+    o = F.scaled_dot_product_attention(
+        qp, k, v, attn_mask=meta.folded_mask(G), scale=scale
+    )  # [Bs, KVH, G * max_q, D]
+    o = o.view(bs, KVH, G, mq, D).permute(0, 3, 1, 2, 4).reshape(bs * mq, H, D)
+    out[meta.out_rows] = o[meta.out_pad_rows]
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def plan(self, batch: ForwardBatch) -> TorchAttnMeta:
         meta = TorchAttnMeta(num_tokens=batch.num_tokens)
-        small = [i for i, s in enumerate(batch.segments) if s.q_len <= SMALL_Q]
+        small = small_segments(batch)
         if small:
-            _plan_small(meta, batch, small)
-        for i, s in enumerate(batch.segments):
-            if s.q_len <= SMALL_Q:
-                continue
-            slots = batch.kv_slots(torch.tensor([i]), s.kv_len)[0]
-            mask = None
-            if s.start > 0:
-                key_pos = torch.arange(s.kv_len)
-                q_pos = torch.arange(s.start, s.kv_len)
-                mask = key_pos[None, :] <= q_pos[:, None]
-            t0 = batch.qo_indptr[i]
-            meta.prefills.append(_Prefill(t0, t0 + s.q_len, slots, mask))
+            plan_small_padded(meta, batch, small)
+        plan_prefills(meta, batch)
         return meta
 
     def forward(self, q, k_cache, v_cache, meta: TorchAttnMeta, scale: float) -> torch.Tensor:
-        T, H, D = q.shape
-        KVH = k_cache.shape[1]
-        G = H // KVH
         out = torch.empty_like(q)
-        if meta.q_rows is not None:
-            bs, mq, mkv = meta.shape
-            q_ext = torch.cat([q, q.new_zeros(1, H, D)])
-            qp = q_ext[meta.q_rows]  # [Bs, max_q, H, D]
-            qp = qp.view(bs, mq, KVH, G, D).permute(0, 2, 3, 1, 4).reshape(bs, KVH, G * mq, D)
-            k = k_cache.index_select(0, meta.kv_slots).view(bs, mkv, KVH, D).transpose(1, 2)
-            v = v_cache.index_select(0, meta.kv_slots).view(bs, mkv, KVH, D).transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                qp, k, v, attn_mask=meta.folded_mask(G), scale=scale
-            )  # [Bs, KVH, G * max_q, D]
-            o = o.view(bs, KVH, G, mq, D).permute(0, 3, 1, 2, 4).reshape(bs * mq, H, D)
-            out[meta.out_rows] = o[meta.out_pad_rows]
-        for p in meta.prefills:
-            qs = q[p.t0 : p.t1].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-            k = k_cache.index_select(0, p.kv_slots).transpose(0, 1).unsqueeze(0)
-            v = v_cache.index_select(0, p.kv_slots).transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(
-                qs, k, v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True
-            )
-            out[p.t0 : p.t1] = o[0].transpose(0, 1)
+        run_small_padded(q, k_cache, v_cache, meta, scale, out)
+        run_prefills(q, k_cache, v_cache, meta, scale, out)
         return out
 
 
