@@ -12,6 +12,7 @@ from sloserve.drafter.policy import SpecPolicy
 from sloserve.estimator.cost_model import CostModel, ForwardCost
 from sloserve.runtime.attention import make_backend
 from sloserve.runtime.config import EngineConfig
+from sloserve.runtime.cpu_kernels import cpu_ops
 from sloserve.runtime.kv_cache import BlockAllocator, KVStorage
 from sloserve.runtime.model_runner import ModelRunner
 from sloserve.runtime.models.builtin import ensure_builtin_pair
@@ -98,6 +99,10 @@ def build_parts(cfg: EngineConfig) -> EngineParts:
         for m in (target_model, draft_model):
             if m is not None:
                 pack_linears(m)
+    if device == "cpu":
+        for m in (target_model, draft_model):
+            if m is not None:
+                m.use_cpu_ops(cpu_ops())
     if draft_model is not None and draft_model.cfg.vocab_size != target_model.cfg.vocab_size:
         raise ModelLoadError(
             f"draft vocab {draft_model.cfg.vocab_size} != target vocab {target_model.cfg.vocab_size}"

@@ -9,6 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from sloserve.runtime.attention import make_backend
 from sloserve.runtime.batch import Segment
+from sloserve.runtime.cpu_kernels import cpu_ops
 from sloserve.runtime.kv_cache import BlockAllocator, KVStorage
 from sloserve.runtime.model_runner import ModelRunner
 from sloserve.runtime.models.cpu_linear import pack_linears, packed_linear_available
@@ -40,10 +41,10 @@ def _qwen2():
     return m
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("kernels", ["torch", "cpu"], ids=["torch-ops", "cpu-kernels"])
 @pytest.mark.parametrize("packed", [False, True], ids=["F.linear", "onednn-packed"])
 @pytest.mark.parametrize("make", [_llama, _qwen2], ids=["llama3-rope-gqa", "qwen2-bias-tied"])
-def test_ragged_logits_match_transformers(make, packed, backend, tmp_path):
+def test_ragged_logits_match_transformers(make, packed, kernels, tmp_path):
     torch.manual_seed(0)
     ref = make().eval()
     ref.save_pretrained(tmp_path)
@@ -55,7 +56,9 @@ def test_ragged_logits_match_transformers(make, packed, backend, tmp_path):
     bs = 4
     alloc = BlockAllocator(128, bs)
     runner = ModelRunner(ours, KVStorage(ours.cfg, 128, bs, torch.float32, "cpu"),
-                         make_backend(backend), bs)
+                         make_backend(kernels), bs)
+    if kernels == "cpu" and cpu_ops() is not None:  # the C++ attention, norm, RoPE and SiLU
+        assert ours.use_cpu_ops(cpu_ops())
     seqs = [torch.randint(0, 128, (n,)).tolist() for n in (9, 40, 23, 5, 2)]
     blocks = [alloc.allocate(alloc.blocks_for(len(s))) for s in seqs]
     # step 1: prefill prefixes (one long chunk, several short); step 2: the rest mixed —

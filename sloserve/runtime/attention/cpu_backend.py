@@ -5,7 +5,7 @@ through SDPA as in the torch backend.
 Against the torch backend's padded batch this skips the per-layer gather of every request's
 K/V into a padded tensor and SDPA's per-head overhead on 1-16 query rows (batch 32, context
 96: about 5x less time per layer, see BENCHMARKS.md). Where the kernel is unavailable (no
-compiler; see cpu_kernels.py) or does not apply (not fp32, head_dim not a multiple of 16), the
+compiler; see sloserve/runtime/cpu_kernels.py) or does not apply (not fp32, head_dim not a multiple of 16), the
 torch backend's padded path runs instead, planned on first need.
 """
 
@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import torch
 
 from sloserve.runtime.attention.base import register_backend
-from sloserve.runtime.attention.cpu_kernels import paged_attention_op
 from sloserve.runtime.attention.torch_backend import (
     TorchAttentionBackend,
     TorchAttnMeta,
@@ -27,6 +26,7 @@ from sloserve.runtime.attention.torch_backend import (
     small_segments,
 )
 from sloserve.runtime.batch import ForwardBatch
+from sloserve.runtime.cpu_kernels import paged_attention_op
 
 
 @dataclass

@@ -87,6 +87,19 @@ class DecoderLayer(nn.Module):
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return h + self.down(F.silu(gate) * up)
 
+    def forward_fused(self, x, h, batch: ForwardBatch, cos, sin, kv: KVStorage, attn, scale, ops):
+        """The same layer through the C++ CPU ops (sloserve/runtime/cpu_kernels.py). x: this
+        layer's normed input [T, hidden]; h: the residual stream, to which the attention
+        output is added in place. Returns the MLP output, for the caller to add to h."""
+        T = x.shape[0]
+        qkv = self.qkv(x)  # [T, (heads + 2 kv_heads) * D]; q and k rotated in place below
+        ops.rope_store(qkv, cos, sin, batch.slot_mapping, kv.k[self.idx], kv.v[self.idx],
+                       self.heads, self.kv_heads)
+        q = qkv[:, : self.n_q].view(T, self.heads, self.head_dim)
+        o = attn.forward(q, kv.k[self.idx], kv.v[self.idx], batch.attn, scale)
+        x = ops.add_rms_norm(h, self.o_proj(o.reshape(T, self.n_q)), self.post_norm, self.eps)
+        return self.down(ops.silu_mul(self.gate_up(x)))
+
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -100,13 +113,39 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.rotary = Rotary(cfg)
         self.scale = cfg.head_dim**-0.5
+        self.cpu_ops = None  # torch.ops.sloserve_cpu when the fused CPU path is on
+
+    def use_cpu_ops(self, ops) -> bool:
+        """Run through the fused C++ CPU ops from now on, where they apply (float32 weights on
+        the CPU); returns whether they are in use."""
+        params = list(self.parameters())
+        applies = (ops is not None and self.cfg.head_dim % 2 == 0
+                   and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params))
+        self.cpu_ops = ops if applies else None
+        return applies
 
     def forward(self, batch: ForwardBatch, kv: KVStorage, attn: AttentionBackend) -> torch.Tensor:
         """Runs the batch, writes its K/V, returns logits [L, vocab] for batch.logits_indices."""
         h = self.embed(batch.input_ids)
-        rope = self.rotary.tables(batch.positions)
-        for layer in self.layers:
-            h = layer(h, batch, rope, kv, attn, self.scale)
+        if self.cpu_ops is not None:
+            h = self._layers_fused(h, batch, kv, attn)
+        else:
+            rope = self.rotary.tables(batch.positions)
+            for layer in self.layers:
+                h = layer(h, batch, rope, kv, attn, self.scale)
         h = h.index_select(0, batch.logits_indices)
         h = F.rms_norm(h, (h.shape[-1],), self.norm, self.cfg.rms_norm_eps)
         return self.lm_head(h).float()
+
+    def _layers_fused(self, h, batch: ForwardBatch, kv: KVStorage, attn) -> torch.Tensor:
+        # each MLP output is added to the residual stream by the next layer's fused norm
+        ops, eps, n = self.cpu_ops, self.cfg.rms_norm_eps, len(self.layers)
+        cos, sin = self.rotary.cos[batch.positions], self.rotary.sin[batch.positions]  # [T, D/2]
+        x = ops.rms_norm(h, self.layers[0].input_norm, eps)
+        for i, layer in enumerate(self.layers):
+            mlp = layer.forward_fused(x, h, batch, cos, sin, kv, attn, self.scale, ops)
+            if i + 1 < n:
+                x = ops.add_rms_norm(h, mlp, self.layers[i + 1].input_norm, eps)
+            else:
+                h.add_(mlp)
+        return h

@@ -1,6 +1,7 @@
-"""The C++ CPU attention kernel against a float64 reference and the torch backend: decodes,
-verify-like segments (several query tokens, causal among themselves) and prefill chunks in one
-ragged batch, GQA groups 1-4, head sizes 16-128, scattered and reused-looking block tables."""
+"""The C++ CPU kernels against PyTorch: the paged attention kernel against a float64 reference
+and the torch backend (decodes, verify-like segments with several causal query tokens and
+prefill chunks in one ragged batch; GQA groups 1-4, head sizes 16-128, scattered block
+tables), and each fused layer op against the chain of ops it replaces."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import pytest
 import torch
 
 from sloserve.runtime.attention import make_backend
-from sloserve.runtime.attention.cpu_kernels import paged_attention_op
 from sloserve.runtime.batch import Segment, build_forward_batch, slots_for
+from sloserve.runtime.cpu_kernels import cpu_ops, paged_attention_op
+from sloserve.runtime.models.llama import Rotary
 
 HAS_COMPILER = shutil.which("c++") is not None or shutil.which("g++") is not None
 
@@ -107,3 +109,50 @@ def test_kernel_rejects_bad_input():
         op(q.contiguous(), k_cache, v_cache, rows, lens, starts, table + 1000, 4, 0.25, out)
     with pytest.raises(RuntimeError, match="float32"):
         op(q.double().contiguous(), k_cache, v_cache, rows, lens, starts, table, 4, 0.25, out)
+
+
+@pytest.fixture
+def ops():
+    o = cpu_ops()
+    if o is None:
+        pytest.skip("kernels not built")
+    return o
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])  # 40 rows: split across threads
+def test_fused_norms_and_silu_match_torch(ops, rows):
+    g = torch.Generator().manual_seed(rows)
+    h, a = torch.randn(rows, 96, generator=g), torch.randn(rows, 96, generator=g)
+    w = torch.rand(96, generator=g) + 0.5
+    want = torch.nn.functional.rms_norm(h, (96,), w, 1e-6)
+    assert torch.allclose(ops.rms_norm(h, w, 1e-6), want, atol=1e-5)
+    h2 = h.clone()
+    y = ops.add_rms_norm(h2, a, w, 1e-6)
+    assert torch.equal(h2, h + a)  # the residual stream is updated in place
+    assert torch.allclose(y, torch.nn.functional.rms_norm(h + a, (96,), w, 1e-6), atol=1e-5)
+    gu = torch.randn(rows, 2 * 72, generator=g) * 6  # wide range: both sigmoid branches
+    gate, up = gu.chunk(2, dim=-1)
+    assert torch.allclose(ops.silu_mul(gu), torch.nn.functional.silu(gate) * up, atol=1e-5)
+
+
+def test_rope_store_matches_rotary_and_writes_cache(ops):
+    heads, kv_heads, D, T, S = 4, 2, 32, 6, 20
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * D, generator=g)
+    pos = torch.tensor([0, 5, 9, 100, 3, 4])
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    cos, sin = torch.outer(pos.float(), inv).cos(), torch.outer(pos.float(), inv).sin()
+    slots = torch.tensor([7, 0, 19, 3, 12, 8])
+    k_cache, v_cache = torch.zeros(S, kv_heads, D), torch.zeros(S, kv_heads, D)
+    want_qk = Rotary.apply(qkv[:, : (heads + kv_heads) * D].view(T, -1, D), cos[:, None], sin[:, None])
+    want_v = qkv[:, (heads + kv_heads) * D :].view(T, kv_heads, D).clone()
+    out = qkv.clone()
+    ops.rope_store(out, cos, sin, slots, k_cache, v_cache, heads, kv_heads)
+    assert torch.allclose(out[:, : (heads + kv_heads) * D].view(T, -1, D), want_qk, atol=1e-6)
+    assert torch.allclose(k_cache[slots], want_qk[:, heads:], atol=1e-6)
+    assert torch.equal(v_cache[slots], want_v)
+    untouched = torch.ones(S, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ops.rope_store(qkv.clone(), cos, sin, slots + S, k_cache, v_cache, heads, kv_heads)

@@ -1,0 +1,79 @@
+"""The C++ CPU kernels (csrc/): built on first use, then loaded as torch.ops.sloserve_cpu.
+
+- paged_attention_cpu.cpp: attention of short segments (decode, verify, draft steps) read
+  straight from the paged KV cache (used by the "cpu" attention backend).
+- fused_ops_cpu.cpp: RMSNorm (optionally with the residual add), SiLU-and-multiply, and RoPE
+  with the K/V cache write, each one pass instead of a chain of small ops (used by the model
+  when it runs in float32 on the CPU).
+
+They are compiled once per machine for the host's instruction set (-march=native, OpenMP
+through PyTorch's own runtime) with torch.utils.cpp_extension, which needs a C++ compiler and
+ninja (a dependency of the package). The build lands in torch's extension cache
+(TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) under a name hashed from the sources,
+torch's version and the CPU's feature flags: a changed source or another CPU builds anew
+instead of loading a stale binary or one with instructions this CPU lacks. The first build
+takes 15-30 s on a 2-core machine.
+
+When the build or load fails, or SLOSERVE_CPU_KERNELS=0, cpu_ops() returns None and callers keep
+their portable PyTorch code (same results up to float rounding, slower).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "paged_attention_cpu.cpp", CSRC / "fused_ops_cpu.cpp"]
+HEADERS = [CSRC / "vec.h"]
+ENV_SWITCH = "SLOSERVE_CPU_KERNELS"  # "0" turns the C++ kernels off
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def build_name() -> str:
+    h = hashlib.sha256()
+    for p in SOURCES + HEADERS:
+        h.update(p.read_bytes())
+    h.update(torch.__version__.encode())
+    h.update(_cpu_flags().encode())
+    return f"sloserve_cpu_{h.hexdigest()[:12]}"
+
+
+@functools.cache
+def cpu_ops():
+    """The torch.ops.sloserve_cpu namespace with every kernel loaded, or None."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(name=build_name(), sources=[str(p) for p in SOURCES], is_python_module=False,
+             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+             extra_include_paths=[str(CSRC)])
+        ops = torch.ops.sloserve_cpu
+        for name in ("paged_attention_small", "rms_norm", "add_rms_norm", "silu_mul", "rope_store"):
+            getattr(ops, name)  # raises if one did not register
+        return ops
+    except Exception as e:  # no compiler, no ninja, unsupported platform: keep the torch path
+        log.warning("C++ CPU kernels unavailable, using the PyTorch path: %s", e)
+        return None
+
+
+def paged_attention_op():
+    ops = cpu_ops()
+    return None if ops is None else ops.paged_attention_small
