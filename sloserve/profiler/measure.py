@@ -72,37 +72,39 @@ def fingerprint(model_dir: str) -> str:
     return h.hexdigest()[:16]
 
 
-def time_forward(runner: ModelRunner, alloc: BlockAllocator, batch: int, ctx: int, q: int, reps: int) -> float:
-    """Median seconds of one forward: `batch` requests, each `q` query tokens after `ctx`
-    cached tokens. Uses blocks borrowed from the allocator, returned afterwards."""
+def time_forward(runner: ModelRunner, alloc: BlockAllocator, batch: int, ctx: int, q: int) -> float:
+    """Seconds of one forward: `batch` requests, each `q` query tokens after `ctx` cached
+    tokens. Uses blocks borrowed from the allocator, returned afterwards."""
     need = alloc.blocks_for(ctx + q)
     blocks = [alloc.allocate(need) for _ in range(batch)]
     try:
         segs = [Segment(b, ctx, [7] * q) for b in blocks]
-        runner.forward(segs)  # warm-up
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            runner.forward(segs)
-            if runner.device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-        return statistics.median(times)
+        t = time.perf_counter()
+        runner.forward(segs)
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t
     finally:
         for b in blocks:
             alloc.free(b)
 
 
 def profile_model(runner: ModelRunner, alloc: BlockAllocator, grid: Grid, log=print):
-    samples = []
-    for b in grid.batch_sizes:
-        for c in grid.context_lens:
-            if alloc.blocks_for(c + max(grid.query_lens)) * b > alloc.num_free:
-                continue
-            for q in grid.query_lens:
-                s = time_forward(runner, alloc, b, c, q, grid.reps)
-                samples.append((b * (c + q), b * q, s))
-        log(f"  {runner.cfg.name}: batch {b} done ({len(samples)} samples)")
+    """Time every grid point once per sweep, `grid.reps` sweeps (after one unrecorded), and
+    fit the medians. Sweeping instead of repeating one point: a machine whose speed drifts
+    over minutes slows every point of a sweep alike instead of bending the fit, and each
+    forward follows one of another shape, as engine steps do (caches not warmed by a twin)."""
+    points = [(b, c, q) for b in grid.batch_sizes for c in grid.context_lens for q in grid.query_lens
+              if alloc.blocks_for(c + max(grid.query_lens)) * b <= alloc.num_free]
+    times: dict[tuple[int, int, int], list[float]] = {p: [] for p in points}
+    for sweep in range(grid.reps + 1):
+        for p in points:
+            t = time_forward(runner, alloc, *p)
+            if sweep:
+                times[p].append(t)
+        if sweep:
+            log(f"  {runner.cfg.name}: sweep {sweep}/{grid.reps} done ({len(points)} points)")
+    samples = [(b * (c + q), b * q, statistics.median(times[(b, c, q)])) for b, c, q in points]
     return fit_forward_cost(samples), samples
 
 
