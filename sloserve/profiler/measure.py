@@ -89,16 +89,21 @@ def time_forward(runner: ModelRunner, alloc: BlockAllocator, batch: int, ctx: in
             alloc.free(b)
 
 
-def profile_model(runner: ModelRunner, alloc: BlockAllocator, grid: Grid, log=print):
+def profile_model(runner: ModelRunner, alloc: BlockAllocator, grid: Grid, log=print,
+                  before=None):
     """Time every grid point once per sweep, `grid.reps` sweeps (after one unrecorded), and
     fit the medians. Sweeping instead of repeating one point: a machine whose speed drifts
     over minutes slows every point of a sweep alike instead of bending the fit, and each
-    forward follows one of another shape, as engine steps do (caches not warmed by a twin)."""
+    forward follows one of another shape, as engine steps do (caches not warmed by a twin).
+    before: called (untimed) before each timed forward; for the draft, a target forward,
+    which in the engine runs between draft rounds and evicts the draft's weights from cache."""
     points = [(b, c, q) for b in grid.batch_sizes for c in grid.context_lens for q in grid.query_lens
               if alloc.blocks_for(c + max(grid.query_lens)) * b <= alloc.num_free]
     times: dict[tuple[int, int, int], list[float]] = {p: [] for p in points}
     for sweep in range(grid.reps + 1):
         for p in points:
+            if before is not None:
+                before()
             t = time_forward(runner, alloc, *p)
             if sweep:
                 times[p].append(t)
@@ -175,7 +180,8 @@ def build_profile(engine, grid: Grid, mode: str, log=print) -> tuple[Profile, di
     log(f"profiling target {parts.target_path} on {device_key(engine.cfg.device)}")
     t_fit, t_samples = profile_model(parts.target, alloc, grid, log)
     if parts.draft is not None:
-        d_fit, d_samples = profile_model(parts.draft, alloc, grid, log)
+        d_fit, d_samples = profile_model(parts.draft, alloc, grid, log,
+                                         before=lambda: time_forward(parts.target, alloc, 1, 64, 1))
         draft = ModelProfile(parts.draft_path, fingerprint(parts.draft_path), d_fit.cost, d_fit.stats)
     else:
         d_samples = []
