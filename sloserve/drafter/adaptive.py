@@ -121,12 +121,14 @@ class AdaptiveDrafter:
         self.start_margin = start_margin
         # worst-case guard: the SLO rule compares predicted step times against
         # SLO / slo_scale, slo_scale = the largest measured / predicted time over the last
-        # `overrun_window` steps with an SLO (clipped to [1, 2]), so a cost model that
-        # under-prices the slowest steps does not let them break the SLO. Only speculative
-        # steps without prefill chunks measure an overrun (a prefill's error is not the
-        # speculation's); the others count as 1, so an overrun ages out of the window and
-        # speculation is tried again rather than off for good after one slow stretch (the
-        # window counts every step, 256 of them: about the memory 64 speculative steps had)
+        # `overrun_window` steps with an SLO (clipped to [1, 2]), so neither a cost model that
+        # under-prices the slowest steps nor a machine whose steps now and then run long (a
+        # shared CPU: single decode steps at 1.5-1.8x their usual time) lets speculation
+        # break the SLO. Steps without prefill chunks measure an overrun, plain ones too
+        # (how long a step can run over is the machine's as much as the plan's); steps with
+        # prefill count as 1 (a prefill's error is not the speculation's), so an overrun ages
+        # out of the window and speculation is tried again rather than off for good after
+        # one slow stretch (256 steps of any kind)
         # (until measured, steps are assumed to run up to `initial_overrun` x the model)
         self.overruns: deque[float] = deque([initial_overrun], maxlen=overrun_window)
         self.slo_scale = initial_overrun
@@ -219,7 +221,7 @@ class AdaptiveDrafter:
             # overruns matter only to the SLO rule: measured on steps with an SLO
             has_slo = self.slo < float("inf") if tracked else binding_slo(step) < float("inf")
             if has_slo:
-                measured = n_drafted and not step.prefill_tokens and predicted > 0.0
+                measured = not step.prefill_tokens and predicted > 0.0
                 self.overruns.append(outcome.step_time / predicted if measured else 1.0)
                 self.slo_scale = min(2.0, max(1.0, max(self.overruns)))
         if self.step is step and step.batch_size:

@@ -25,6 +25,7 @@ import hashlib
 import logging
 import os
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -54,6 +55,20 @@ def build_name() -> str:
     return f"sloserve_cpu_{h.hexdigest()[:12]}"
 
 
+def _clear_stale_lock(name: str, max_age_s: float = 600.0) -> None:
+    """torch's build lock stays behind when a build is killed (Ctrl-C on a first start), and
+    every later load would wait on it forever; a build takes well under max_age_s."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory  # private; may move
+
+        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+        if lock.exists() and time.time() - lock.stat().st_mtime > max_age_s:
+            lock.unlink()
+            log.warning("removed a stale C++ build lock left by an interrupted build: %s", lock)
+    except (ImportError, OSError, TypeError):
+        pass
+
+
 @functools.cache
 def cpu_ops():
     """The torch.ops.sloserve_cpu namespace with every kernel loaded, or None."""
@@ -62,12 +77,14 @@ def cpu_ops():
     try:
         from torch.utils.cpp_extension import load
 
-        load(name=build_name(), sources=[str(p) for p in SOURCES], is_python_module=False,
+        name = build_name()
+        _clear_stale_lock(name)
+        load(name=name, sources=[str(p) for p in SOURCES], is_python_module=False,
              extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
              extra_include_paths=[str(CSRC)])
         ops = torch.ops.sloserve_cpu
-        for name in ("paged_attention_small", "rms_norm", "add_rms_norm", "silu_mul", "rope_store"):
-            getattr(ops, name)  # raises if one did not register
+        for op in ("paged_attention_small", "rms_norm", "add_rms_norm", "silu_mul", "rope_store"):
+            getattr(ops, op)  # raises if one did not register
         return ops
     except Exception as e:  # no compiler, no ninja, unsupported platform: keep the torch path
         log.warning("C++ CPU kernels unavailable, using the PyTorch path: %s", e)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -298,3 +300,24 @@ def test_slo_guard_learns_how_much_steps_overrun_the_cost_model():
     assert later.sum() < 8  # the full k = 1 plan no longer fits SLO / 1.5 ...
     assert StepTimer(COST, step).plan(later, later) <= slo / 1.5  # ... a smaller one does
     assert policy.start(make_step(8)).all()  # no SLO: speculation is still on
+
+
+def test_slo_guard_counts_plain_steps_that_run_long_but_not_prefill_steps():
+    """A plain decode step that ran 1.6x its predicted time (the machine, not the plan) raises
+    the guard as a speculative one would; a step carrying a prefill chunk does not."""
+    slo = 10.0
+    policy = SpecServePolicy(COST, 4, prior=0.95, start_margin=0.0, initial_overrun=1.0)
+    zeros = np.zeros(8, dtype=np.int64)
+    step = make_step(8, slo=np.full(8, slo))
+    plain = StepTimer(COST, step).plain
+    policy.start(step)
+    policy.observe(step, VerifyOutcome(drafted=zeros, verified=zeros, accepted=zeros,
+                                       confidences=np.zeros((8, 0)),
+                                       step_time=1.6 * plain, draft_time=0.0))
+    assert policy.drafter.slo_scale == pytest.approx(1.6)
+    prefill = dataclasses.replace(make_step(8, slo=np.full(8, slo)), prefill_tokens=64)
+    fresh = SpecServePolicy(COST, 4, prior=0.95, start_margin=0.0, initial_overrun=1.0)
+    fresh.observe(prefill, VerifyOutcome(drafted=zeros, verified=zeros, accepted=zeros,
+                                         confidences=np.zeros((8, 0)),
+                                         step_time=3.0 * plain, draft_time=0.0))
+    assert fresh.drafter.slo_scale == 1.0

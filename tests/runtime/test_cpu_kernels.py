@@ -5,7 +5,11 @@ tables), and each fused layer op against the chain of ops it replaces."""
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,6 +18,7 @@ from sloserve.runtime.attention import make_backend
 from sloserve.runtime.batch import Segment, build_forward_batch, slots_for
 from sloserve.runtime.cpu_kernels import cpu_ops, paged_attention_op
 from sloserve.runtime.models.llama import Rotary
+from sloserve.runtime.request import SamplingParams
 
 HAS_COMPILER = shutil.which("c++") is not None or shutil.which("g++") is not None
 
@@ -156,3 +161,28 @@ def test_rope_store_matches_rotary_and_writes_cache(ops):
     assert not k_cache[untouched].any() and not v_cache[untouched].any()
     with pytest.raises(RuntimeError, match="outside the cache"):
         ops.rope_store(qkv.clone(), cos, sin, slots + S, k_cache, v_cache, heads, kv_heads)
+
+
+def test_engine_without_kernels_gives_the_same_greedy_tokens(make_engine, tiny_pair):
+    """SLOSERVE_CPU_KERNELS=0 (what a machine without a compiler gets): the engine runs the
+    PyTorch path and generates the same greedy tokens as with the kernels."""
+    prompts = [[5, 9, 33, 2, 17], [100, 3, 3, 8]]
+    script = (
+        "import json, sys\n"
+        "from sloserve.runtime.config import EngineConfig\n"
+        "from sloserve.runtime.engine import Engine\n"
+        "from sloserve.runtime.request import SamplingParams\n"
+        "eng = Engine(EngineConfig(model_path=sys.argv[1], draft_model_path=sys.argv[2],"
+        " spec_policy='fixed:2'))\n"
+        "assert eng.parts.target.backend.op is None and eng.parts.target.model.cpu_ops is None\n"
+        "p = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)\n"
+        f"res = eng.generate({prompts!r}, [p, p])\n"
+        "print(json.dumps([r['output_ids'] for r in res]))\n"
+    )
+    env = {**os.environ, "SLOSERVE_CPU_KERNELS": "0"}
+    out = subprocess.run([sys.executable, "-c", script, *tiny_pair], env=env, check=True,
+                         capture_output=True, text=True, timeout=240)
+    without = json.loads(out.stdout.strip().splitlines()[-1])
+    eng = make_engine(spec_policy="fixed:2")
+    p = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    assert [r["output_ids"] for r in eng.generate(prompts, [p, p])] == without

@@ -4,9 +4,10 @@ through SDPA as in the torch backend.
 
 Against the torch backend's padded batch this skips the per-layer gather of every request's
 K/V into a padded tensor and SDPA's per-head overhead on 1-16 query rows (batch 32, context
-96: about 5x less time per layer, see BENCHMARKS.md). Where the kernel is unavailable (no
-compiler; see sloserve/runtime/cpu_kernels.py) or does not apply (not fp32, head_dim not a multiple of 16), the
-torch backend's padded path runs instead, planned on first need.
+96: 3.6x less time per layer in isolation, ~3x in the engine; see BENCHMARKS.md). Where the
+kernel is unavailable (no compiler, see sloserve/runtime/cpu_kernels.py) or does not apply
+(not fp32, head_dim not a multiple of 16), the torch backend's padded path runs instead,
+planned on first need.
 """
 
 from __future__ import annotations
