@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from sloserve_testing import prompts_of_lengths
@@ -92,9 +93,17 @@ def test_caller_leaving_before_the_engine_takes_the_request(make_engine, when):
 
     try:
         asyncio.run(main())
-        state = aeng.call(lambda e: (e.has_work, e.scheduler.alloc.num_used)).result(timeout=30)
+        # the abort reaches the engine thread right after the add completes, which can be
+        # after this check was queued: poll (the request must go, not necessarily at once)
+        for _ in range(100):
+            state = aeng.call(lambda e: (e.has_work, e.scheduler.alloc.num_used)).result(timeout=30)
+            if state == (False, 0):
+                break
+            time.sleep(0.02)
         assert aeng.alive
         assert state == (False, 0)
+        # gone by abort (or never added), not by running its 500 tokens to the end
+        assert eng.stats.requests_finished == eng.stats.requests_aborted
         # and it still serves
         out = asyncio.run(_drain(aeng.generate([5, 6, 7], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))))
         assert out == 4
