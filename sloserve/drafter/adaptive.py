@@ -27,10 +27,10 @@ unimodal, so stopping at the first step that does not raise E is where the searc
 anyway.
 
 Prices: the profiled cost model, corrected online from the measured step times
-(estimator/online_cost.py): plain decoding, draft forwards and verified draft tokens each
-get a scale, so a profile that prices speculation too low (or a machine that drifted since
-profiling) does not make the drafter over-speculate. `correct_cost=False` scores with the
-profile alone.
+(estimator/online_cost.py): draft forwards get one scale (measured directly), the target's
+work (plain decoding and verified draft tokens) another, so a profile that prices draft
+forwards too low (or a machine that drifted since profiling) does not make the drafter
+over-speculate. `correct_cost=False` scores with the profile alone.
 
 Rate (an option, off by default): the paper scores a plan by its own step's E = tokens /
 time. A step that also carries prefill chunks has a low E, so by that rule speculation looks
@@ -106,7 +106,9 @@ class AdaptiveDrafter:
         self.rate: float | None = None  # tokens per second, once measured
         self.lag_cap = lag_cap  # catch-up tokens priced per request (None: all of them)
         self.profile_cost = cost
-        self.correction = StepCostCorrection() if correct_cost else None
+        # plain and verify share one scale: fitted apart they were poorly identified (plain
+        # and verify time move together) and swung to the bounds, 0.5-2.0, run to run
+        self.correction = StepCostCorrection(tie_verify=True) if correct_cost else None
         # the cost model of the current step: the profile's with the draft's times scaled by
         # theta_draft, the target's and the overhead by theta_verify, plain decoding by
         # theta_plain (plain_scale = theta_plain / theta_verify on top)

@@ -16,7 +16,12 @@ corrected by its own scale:
     measured step - draft time = theta_plain * plain + theta_verify * verify
 
 The engine measures the drafting loop on its own, so theta_draft is a ratio fit and the
-other two a two-feature fit. Each is an exponentially weighted least-squares fit (forgetting
+other two a two-feature fit, or with `tie_verify` one scale for both (a ratio fit on plain +
+verify). The SpecServe drafter ties them: plain and verify time move together, so apart
+they were poorly identified (theta_verify ended anywhere in [0.5, 2], often at a bound, on
+the built-in pair) and mispriced verify tokens; tied, the profile's relative price of a
+verified token stands and the scale follows the machine (closed loop at batch 4-32, same
+run: 0.1-1.8 points closer to the best fixed k, BENCHMARKS.md). Each is an exponentially weighted least-squares fit (forgetting
 factor `forget`: an effective window of 1 / (1 - forget) steps; every step fades every sum)
 with a prior at 1, scaled to the features' typical magnitudes: `prior_weight` pseudo-steps
 that fade like the samples (the fit starts at the profile and moves as evidence comes) on
@@ -33,7 +38,7 @@ from __future__ import annotations
 
 class StepCostCorrection:
     def __init__(self, forget: float = 0.98, prior_weight: float = 8.0, ridge: float = 0.25,
-                 clip: float = 2.0, max_scale: float = 2.0) -> None:
+                 clip: float = 2.0, max_scale: float = 2.0, tie_verify: bool = False) -> None:
         if not 0.0 < forget <= 1.0:
             raise ValueError(f"forget must be in (0, 1], got {forget}")
         self.forget = forget
@@ -41,6 +46,7 @@ class StepCostCorrection:
         self.ridge = ridge
         self.clip = clip
         self.max_scale = max_scale
+        self.tie_verify = tie_verify  # one scale for plain and verify (a one-feature fit)
         # exponentially weighted sums: x = (plain, verify), y = measured step - draft time;
         # d = draft, m = measured draft time
         self.spp = self.spv = self.svv = 0.0
@@ -100,6 +106,12 @@ class StepCostCorrection:
         return min(max(x, 1.0 / self.max_scale), self.max_scale)
 
     def _solve(self, w: float) -> None:
+        if self.tie_verify:  # y = theta * (plain + verify): the sums of x = plain + verify
+            sxx = self.spp + 2.0 * self.spv + self.svv
+            lam = w * sxx / self.n
+            self.theta_plain = self.theta_verify = self._bound(
+                (self.spy + self.svy + lam) / (sxx + lam))
+            return
         # pull toward (1, 1): w pseudo-steps of each feature's typical square (the plain one
         # stands in for verify until speculation has run)
         lam_p = w * self.spp / self.n
