@@ -21,16 +21,19 @@ verify). The SpecServe drafter ties them: plain and verify time move together, s
 they were poorly identified (theta_verify ended anywhere in [0.5, 2], often at a bound, on
 the built-in pair) and mispriced verify tokens; tied, the profile's relative price of a
 verified token stands and the scale follows the machine (closed loop at batch 4-32, same
-run: 0.1-1.8 points closer to the best fixed k, BENCHMARKS.md). Each is an exponentially weighted least-squares fit (forgetting
-factor `forget`: an effective window of 1 / (1 - forget) steps; every step fades every sum)
-with a prior at 1, scaled to the features' typical magnitudes: `prior_weight` pseudo-steps
-that fade like the samples (the fit starts at the profile and moves as evidence comes) on
-top of `ridge` pseudo-steps that stay. The ridge biases a scale with steady evidence by
+run: 0.1-1.8 points closer to the best fixed k, BENCHMARKS.md).
+
+Each is an exponentially weighted least-squares fit (forgetting factor `forget`: an
+effective window of 1 / (1 - forget) steps; every step fades every sum) with a prior at 1,
+scaled to the features' typical magnitudes: `prior_weight` pseudo-steps that fade like the
+samples (the fit starts at the profile and moves as evidence comes) on top of `ridge`
+pseudo-steps that stay. The ridge biases a scale with steady evidence by
 ~ridge * (1 - forget), 0.5% by default; a scale whose evidence stops (theta_draft and
 theta_verify while speculation is off) returns to the profile within a few hundred steps,
-so a pessimistic price learned from a few slow steps cannot turn speculation off for good. A sample more
-than `clip` times off the current prediction is clipped to that ratio (a GC pause or a
-preempted step must not swing the fit), and every scale stays in [1 / max_scale, max_scale].
+so a pessimistic price learned from a few slow steps cannot turn speculation off for good.
+A sample more than `clip` times off the current prediction is clipped to that ratio (a GC
+pause or a preempted step must not swing the fit), and every scale stays in
+[1 / max_scale, max_scale].
 """
 
 from __future__ import annotations
