@@ -97,7 +97,8 @@ def profile_model(runner: ModelRunner, alloc: BlockAllocator, grid: Grid, log=pr
     forward follows one of another shape, as engine steps do (caches not warmed by a twin).
     before: called (untimed) before each timed forward; for the draft, a target forward,
     which in the engine runs between draft rounds and evicts the draft's weights from cache."""
-    points = [(b, c, q) for b in grid.batch_sizes for c in grid.context_lens for q in grid.query_lens
+    points = [(b, c, q)
+              for b in grid.batch_sizes for c in grid.context_lens for q in grid.query_lens
               if alloc.blocks_for(c + max(grid.query_lens)) * b <= alloc.num_free]
     times: dict[tuple[int, int, int], list[float]] = {p: [] for p in points}
     for sweep in range(grid.reps + 1):

@@ -101,7 +101,8 @@ def run_prefills(q, k_cache, v_cache, meta: TorchAttnMeta, scale: float, out: to
         out[p.t0 : p.t1] = o[0].transpose(0, 1)
 
 
-def run_small_padded(q, k_cache, v_cache, meta: TorchAttnMeta, scale: float, out: torch.Tensor) -> None:
+def run_small_padded(q, k_cache, v_cache, meta: TorchAttnMeta, scale: float,
+                     out: torch.Tensor) -> None:
     """The short segments as one padded SDPA call, written into their rows of out."""
     if meta.q_rows is None:
         return
