@@ -20,22 +20,35 @@ below `collapse` (default 0.05: at most 1 in 20 chances the next token is even r
 the draft batch, which makes the remaining draft forwards cheaper.
 
 `start` is the same decision at j = 0: draft at all only if one draft step is predicted to
-beat plain decoding within the SLO, by at least `start_margin` (default 5%): a smaller
-predicted gain is within the profiled cost model's error, and there speculating costs more
-than it can win (measured at batch 32 on the CPU: 0.90x ar at mean k 1.46). E over k is
-unimodal, so stopping at the first step that does not raise E is where the search would stop
-anyway.
+beat plain decoding within the SLO (by `start_margin`, default 0). E over k is unimodal, so
+stopping at the first step that does not raise E is where the search would stop anyway.
+
+Uniform plans first (`uniform_margin`, default 6%): a strict subset of the candidates drafts
+only if it scores more than the margin above the whole candidate set; otherwise the whole
+set drafts if that raises E, or nobody does; the verifier likewise trims a tail only if
+that raises E by the margin (the SLO rule trims regardless). Ragged plans cost what the
+cost model does not see (a draft forward for a few requests still pays most of its fixed
+cost and the engine's per-request work; the spread of k makes every step pay its longest
+draft), and the confidences of a small draft say only so much: on the built-in CPU pair the
+per-request choices lost 3-5% to a uniform k at batch 8-32 where the model said they won
+by less than that (closed loop, BENCHMARKS.md).
+
+Prefill chunks (`score_prefill`, default False): a step that also carries prefill chunks
+pays their seconds whatever is drafted, and its prompt tokens are not counted in E, so the
+step's own E over all its seconds (the paper's rule, score_prefill=True) is low there and
+makes speculation look cheap: on the built-in pair at batch 32 it drafted 3+ tokens per
+request beside prefills where a uniform k = 1 did 4-9% better. By default E is scored on
+the step's seconds less its prefill's (StepTimer.prefill), so a draft token is worth the
+same beside a prefill as in a pure decode step; the SLO rule still sees the whole step.
 
 Prices: the profiled cost model, corrected online from the measured step times
 (estimator/online_cost.py): draft forwards get one scale (measured directly), the target's
-work (plain decoding and verified draft tokens) another, so a profile that prices draft
-forwards too low (or a machine that drifted since profiling) does not make the drafter
-over-speculate. `correct_cost=False` scores with the profile alone.
+forward another (measured directly where the engine times it, as the real engine does), and
+the rest of the step, the engine's own work, is measured as the overhead; so a profile that
+prices draft forwards too low (or a machine that drifted since profiling) does not make the
+drafter over-speculate. `correct_cost=False` scores with the profile alone.
 
-Rate (an option, off by default): the paper scores a plan by its own step's E = tokens /
-time. A step that also carries prefill chunks has a low E, so by that rule speculation looks
-cheap there and dear in pure decode steps. With `long_run_rate=True` the drafter scores a
-plan by its net tokens, tokens - rate * time, with rate the engine's measured throughput
+Rate (an option, off by default): with `long_run_rate=True` the drafter scores a plan by its net tokens, tokens - rate * time, with rate the engine's measured throughput
 (decode tokens per second over the last ~1 / (1 - rate_forget) steps), and the verifier
 trims at that rate: right when throughput is the goal (closed loop at batch 4-16 on the
 built-in pair: 2-3 points closer to the best fixed k), wrong for latency under open-loop
@@ -86,9 +99,9 @@ class AdaptiveDrafter:
         *,
         ema: float = 0.3,
         collapse: float = 0.05,
-        start_margin: float = 0.05,
+        start_margin: float = 0.0,
         overrun_window: int = 256,
-        initial_overrun: float = 1.3,
+        initial_overrun: float = 2.0,
         prior: float = 0.6,
         prior_ema: float = 0.05,
         correct_cost: bool = True,
@@ -96,7 +109,14 @@ class AdaptiveDrafter:
         long_run_rate: bool = False,
         rate_forget: float = 0.98,
         calibrate_every: int = 8,
+        score_prefill: bool = False,
+        uniform_margin: float = 0.06,
     ) -> None:
+        # the whole candidate set drafts unless a smaller subset scores this much higher
+        self.uniform_margin = uniform_margin
+        # False: a step's prefill seconds stay out of the E it scores (see the docstring)
+        self.score_prefill = score_prefill
+        self.unscored = 0.0  # seconds of the current step outside its scored E
         self.calibrate_every = calibrate_every  # verify outcomes counted per batch
         self._outcomes: list[tuple] = []  # outcomes not counted yet
         # measured throughput: exponentially weighted decode tokens and seconds of steps
@@ -114,12 +134,14 @@ class AdaptiveDrafter:
         # theta_plain (plain_scale = theta_plain / theta_verify on top)
         self.cost = cost
         self.theta = (1.0, 1.0, 1.0)  # (plain, draft, verify) as of the current step
+        self.overhead: float | None = None  # measured seconds outside the forwards, if known
         self.plain_scale = 1.0
         self.g = calibrator
         self.ema = ema  # weight of the newest draft token in a request's EMA
         self.collapse = collapse  # chain probability below which a request stops drafting
-        # speculation starts only if its predicted E beats plain decoding by this fraction:
-        # a smaller predicted gain is inside the cost model's error (MAPE 7-12% on the CPU)
+        # speculation starts only if its predicted E beats plain decoding by this fraction
+        # (0 by default: with E scored without prefill seconds and uniform plans preferred,
+        # the 5% it used to be kept batch 32 from the k = 1 that beat plain decoding by 4-9%)
         self.start_margin = start_margin
         # worst-case guard: the SLO rule compares predicted step times against
         # SLO / slo_scale, slo_scale = the largest measured / predicted time over the last
@@ -131,7 +153,10 @@ class AdaptiveDrafter:
         # prefill count as 1 (a prefill's error is not the speculation's), so an overrun ages
         # out of the window and speculation is tried again rather than off for good after
         # one slow stretch (256 steps of any kind)
-        # (until measured, steps are assumed to run up to `initial_overrun` x the model)
+        # (until `overrun_window` steps have measured it, steps are assumed to run up to
+        # `initial_overrun` x the model: by default 2, the most the guard allows, since a
+        # machine's spikes show only now and then: at 1.3 the first k = 1 steps on this CPU,
+        # tried before a spike had been seen, were the SLO misses of a batch-8 run)
         self.overruns: deque[float] = deque([initial_overrun], maxlen=overrun_window)
         self.slo_scale = initial_overrun
         self.prior = prior  # global EMA of g(c): the prediction for new requests
@@ -216,10 +241,16 @@ class AdaptiveDrafter:
                 theta_plain, theta_draft, theta_verify = self.theta
                 if drafting is None:
                     drafting = draft_time(self.cost.draft, timer.n, timer.lag, outcome.drafted)
-                self.correction.observe(
-                    timer.plain / theta_plain, drafting / theta_draft,
-                    max(0.0, predicted - timer.plain - drafting) / theta_verify,
-                    outcome.step_time, outcome.draft_time)
+                verify = max(0.0, predicted - timer.plain - drafting) / theta_verify
+                if outcome.verify_time is not None:  # the target forward measured apart
+                    c = self.profile_cost
+                    self.correction.observe(
+                        c.target.time(timer.verify_ctx, timer.verify_q0), drafting / theta_draft,
+                        verify, outcome.step_time, outcome.draft_time,
+                        measured_target=outcome.verify_time, overhead=c.overhead)
+                else:
+                    self.correction.observe(timer.plain / theta_plain, drafting / theta_draft,
+                                            verify, outcome.step_time, outcome.draft_time)
             # overruns matter only to the SLO rule: measured on steps with an SLO
             has_slo = self.slo < float("inf") if tracked else binding_slo(step) < float("inf")
             if has_slo:
@@ -246,11 +277,14 @@ class AdaptiveDrafter:
     def _begin(self, step: StepInfo, k_max: int) -> None:
         B = step.batch_size
         self.step = step
-        if self.correction is not None and self.correction.theta != self.theta:
-            self.theta = theta_plain, theta_draft, theta_verify = self.correction.theta
+        corr = self.correction
+        if corr is not None and (corr.theta != self.theta or corr.overhead != self.overhead):
+            self.theta = theta_plain, theta_draft, theta_verify = corr.theta
+            self.overhead = corr.overhead
             c = self.profile_cost
+            overhead = c.overhead * theta_verify if self.overhead is None else self.overhead
             self.cost = CostModel(c.target.scaled(theta_verify), c.draft.scaled(theta_draft),
-                                  c.overhead * theta_verify)
+                                  overhead)
             self.plain_scale = theta_plain / theta_verify
         slo = binding_slo(step)
         self.timer = self.timer_for(step, slo)
@@ -261,6 +295,7 @@ class AdaptiveDrafter:
         self.p_last = np.ones(B)
         self.tokens = float(B)  # plain decoding: one token each
         self.time = self.timer.plain
+        self.unscored = 0.0 if self.score_prefill else self.timer.prefill
         if self.P.shape == (k_max, B):  # steady decoding: reuse last step's buffer
             self.P.fill(np.inf)
         else:
@@ -316,8 +351,8 @@ class AdaptiveDrafter:
         time = self._prefix_times(j, order)
         margin = 1.0 + self.start_margin if j == 0 else 1.0
         if self.rate is None:  # the step's own E (SpecServe) until a rate is measured
-            score = tokens / time  # E of each prefix
-            current = self.tokens / self.time * margin
+            score = tokens / (time - self.unscored)  # E of each prefix
+            current = self.tokens / (self.time - self.unscored) * margin
         else:  # net tokens at the measured rate (the start margin raises the bar)
             lam = self.rate * margin
             score = tokens - lam * time
@@ -325,6 +360,12 @@ class AdaptiveDrafter:
         if self.slo < float("inf"):
             score[time > self.slo] = -np.inf
         best = int(score.argmax())
+        if self.uniform_margin and self.rate is None:
+            # a strict subset of the candidates drafts only if it scores uniform_margin above
+            # the whole set; otherwise the whole set drafts if it raises E, or nobody does
+            full = int(np.count_nonzero(gain)) - 1  # the prefix of every candidate
+            if full > best and score[full] * (1.0 + self.uniform_margin) >= score[best]:
+                best = full
         drafting = np.zeros(weight.size, dtype=bool)
         # a prefix ending in a zero-gain request always scores lower than the one before
         if score[best] <= current:

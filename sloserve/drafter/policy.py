@@ -59,6 +59,8 @@ class VerifyOutcome:
     confidences: np.ndarray  # [B, s_max] float, NaN beyond s_r
     step_time: float  # measured wall time of the whole step in seconds (draft + verify + rest)
     draft_time: float  # measured wall time of the draft forwards in seconds
+    # measured wall time of the target (verify) forward in seconds; None where not measured
+    verify_time: float | None = None
 
 
 class SpecPolicy(ABC):

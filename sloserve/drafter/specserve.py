@@ -71,12 +71,16 @@ class SpecServePolicy(SpecPolicy):
                 paid_tokens=d.timer.paid_verify(float(n)),
                 n_drafted=n,
                 rate=d.rate,
+                unscored_time=d.unscored,
+                margin=d.uniform_margin,
             )
         # P from the real confidences: exact even if the engine drafted other than planned
         P = chain_probs(self.calibrator(confidences))  # [B, s]
         slo = binding_slo(step)
         timer = self.drafter.timer_for(step, slo)
-        return eliminate_plan(timer, P, drafted, slo / self.drafter.slo_scale, self.drafter.rate)
+        unscored = 0.0 if self.drafter.score_prefill else timer.prefill
+        return eliminate_plan(timer, P, drafted, slo / self.drafter.slo_scale, self.drafter.rate,
+                              unscored, self.drafter.uniform_margin)
 
     def observe(self, step: StepInfo, outcome: VerifyOutcome) -> None:
         self.drafter.observe(step, outcome)

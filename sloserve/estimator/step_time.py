@@ -89,8 +89,13 @@ class StepTimer:
         # T of plain decoding (k = 0 for all, no draft forward); a speculating engine's draft
         # model reads the step's prefill chunks too (free for model-free drafters)
         self.plain = verify_time(cost.target, self.verify_ctx, self.verify_q0) + cost.overhead
+        # seconds of the step's prefill chunks within plain: what plain decoding of the same
+        # decode batch would not pay (0 in a decode-only step)
+        self.prefill = 0.0
         if step.prefill_tokens:
             self.plain += cost.draft.time(step.prefill_context, step.prefill_tokens)
+            decode_only = verify_time(cost.target, float(self.n.sum()), float(self.batch_size))
+            self.prefill = max(0.0, self.plain - decode_only - cost.overhead) * plain_scale
         self.plain *= plain_scale
         self.token_time = cost.target.b  # verify seconds per extra draft token past the knee
         # draft tokens the verify forward takes in before they cost token_time each

@@ -47,6 +47,7 @@ class StepRunner:
         self.eos = frozenset(eos)
         self._detok: dict[str, DetokState] = {}
         self._finished_outside: list[Request] = []
+        self._verify_time = 0.0  # seconds of the current step's target forward
 
     @property
     def speculative(self) -> bool:
@@ -92,10 +93,12 @@ class StepRunner:
             k = int(draft.k[i]) if draft is not None else 0
             extra = draft.tokens[i, :k].tolist() if k else []
             segs.append(Segment(r.blocks, r.kv_len, [r.all_ids[-1], *extra], all_logits=k > 0))
+        t_fwd = time.perf_counter()
         logits, batch = self.parts.target.forward(segs)
+        argmax = logits.argmax(dim=-1).tolist()  # (waits for the device)
+        self._verify_time = time.perf_counter() - t_fwd
         if sched.prefills and self.speculative and self.drafter.kind == "model":
             self._prefill_draft(sched.prefills)
-        argmax = logits.argmax(dim=-1).tolist()
         touched: list[Touched] = []
         for i, (r, n) in enumerate(sched.prefills):
             r.kv_len += n
@@ -242,5 +245,6 @@ class StepRunner:
             self.policy.observe(self._step_info, VerifyOutcome(
                 drafted=drafted.copy(), verified=ks.copy(), accepted=accepted,
                 confidences=draft.confidences, step_time=step_time, draft_time=draft.draft_time,
+                verify_time=self._verify_time,
             ))
             s.policy_time_total += time.perf_counter() - t

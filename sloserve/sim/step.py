@@ -133,7 +133,8 @@ class SimStepRunner:
         n_q += len(decodes) + k_sum
         t = self.cost.target
         draft_time = self.drafter.time if draft is not None else 0.0
-        dt = draft_prefill + draft_time + t.time(n_ctx, n_q) + self.cost.overhead
+        verify_time = t.time(n_ctx, n_q)
+        dt = draft_prefill + draft_time + verify_time + self.cost.overhead
         end = now + dt
         for r, n in sched.prefills:
             r.kv_len += n
@@ -149,7 +150,7 @@ class SimStepRunner:
                     accepted[i] = k if a > k else a
         self._commit_decodes(decodes, accepted, end)
         self._account(decodes, draft, ks, k_sum, accepted, dt, draft_time, len(sched.prefills),
-                      end)
+                      end, verify_time)
         return dt
 
     def _draft(self, decodes: list[Request], prefill_tokens: int,
@@ -219,7 +220,7 @@ class SimStepRunner:
     # ----- accounting (StepRunner._account with simulated times)
     def _account(self, decodes, draft: DraftResult | None, ks: list[int], k_sum: int,
                  accepted: list[int], step_time: float, draft_time: float, n_prefill: int,
-                 end: float) -> None:
+                 end: float, verify_time: float | None = None) -> None:
         s = self.stats
         s.steps += 1
         s.step_time_total += step_time
@@ -266,7 +267,7 @@ class SimStepRunner:
             self.policy.observe(self._step_info, VerifyOutcome(
                 drafted=draft.drafted.copy(), verified=draft.k.copy(),
                 accepted=np.array(accepted, dtype=np.int64), confidences=draft.confidences,
-                step_time=step_time, draft_time=draft_time,
+                step_time=step_time, draft_time=draft_time, verify_time=verify_time,
             ))
 
     def finalize_stats(self) -> None:

@@ -174,23 +174,88 @@ def _measured_rate(policy, B, rate_steps=20):
             step_time=StepTimer(COST, step).plan(drafted, k), draft_time=0.0))
 
 
-def test_measured_rate_prices_prefill_and_decode_steps_alike():
-    """With the long-run rate, a draft token is worth the same whether or not the step also
-    carries a prefill chunk; the step's own E (the paper's rule) drafts more beside a
-    prefill, whose time makes every step's E look low."""
+@pytest.mark.parametrize("rule", ["rate", "decode-only E", "paper E"])
+def test_prefill_chunks_change_the_plan_only_under_the_papers_rule(rule):
+    """A draft token is worth the same whether or not the step also carries a prefill chunk,
+    with the long-run rate and with the default E that leaves the prefill's seconds out; the
+    step's own E over all its seconds (the paper's rule, score_prefill=True) drafts more
+    beside a prefill, whose time makes the step's E look low."""
     B = 16
     conf = np.full((B, 8), 0.7)
+    policy = SpecServePolicy(COST, 8, prior=0.7, long_run_rate=rule == "rate",
+                             score_prefill=rule == "paper E", correct_cost=False)
+    _measured_rate(policy, B)
+    assert (policy.drafter.rate is not None) == (rule == "rate")
     plans = {}
-    for use_rate in (True, False):
-        policy = SpecServePolicy(COST, 8, prior=0.7, long_run_rate=use_rate, correct_cost=False)
-        _measured_rate(policy, B)
-        assert (policy.drafter.rate is not None) == use_rate
-        for prefill in (0, 2048):
-            step = make_step(B, context=512)
-            step = dataclasses.replace(step, prefill_tokens=prefill, prefill_context=prefill)
-            plans[use_rate, prefill] = _plan(policy, step, conf)[1].sum()
-    assert plans[True, 0] == plans[True, 2048]
-    assert plans[False, 2048] > plans[False, 0]
+    for prefill in (0, 2048):
+        step = make_step(B, context=512)
+        step = dataclasses.replace(step, prefill_tokens=prefill, prefill_context=prefill)
+        plans[prefill] = int(_plan(policy, step, conf)[1].sum())
+    assert plans[0] > 0
+    if rule == "paper E":
+        assert plans[2048] > plans[0]
+    else:
+        assert plans[2048] == plans[0]
+
+
+def test_prefill_seconds_of_a_step():
+    """StepTimer.prefill: what a step's prefill chunks add to plain decoding (target and
+    draft reading them), 0 without prefill."""
+    step = make_step(8, context=300)
+    assert StepTimer(COST, step).prefill == 0.0
+    mixed = dataclasses.replace(step, prefill_tokens=500, prefill_context=700)
+    timer = StepTimer(COST, mixed)
+    expected = (COST.target.time(8 * 300 + 700, 8 + 500) - COST.target.time(8 * 300, 8)
+                + COST.draft.time(700, 500))
+    assert timer.prefill == pytest.approx(expected)
+    assert timer.plain == pytest.approx(StepTimer(COST, step).plain + expected)
+
+
+def test_measured_target_forward_gives_its_scale_and_the_engine_overhead():
+    """With the target forward timed apart, its scale is fitted on it alone and the rest of
+    the step (the engine's own work) is learned as the overhead, so that work does not
+    raise the price of verified tokens."""
+    rng = np.random.default_rng(2)
+    c = StepCostCorrection(tie_verify=True)
+    assert c.overhead is None
+    for _ in range(400):
+        plain, draft, verify = rng.uniform(0.01, 0.03), rng.uniform(0.002, 0.01), rng.uniform(0, 0.02)
+        noise = rng.normal(1.0, 0.02)
+        target = 0.8 * (plain + verify) * noise
+        m_draft = 1.3 * draft * noise
+        c.observe(plain, draft, verify, target + m_draft + 0.004, m_draft,
+                  measured_target=target, overhead=0.001)
+    assert c.theta_plain == c.theta_verify == pytest.approx(0.8, rel=0.02)
+    assert c.theta_draft == pytest.approx(1.3, rel=0.02)
+    assert c.overhead == pytest.approx(0.004, rel=0.02)
+
+
+def test_the_drafter_prices_the_measured_overhead_outside_verify_tokens():
+    """Fed steps whose target forward runs at the profile's time but which spend 5 ms more
+    outside the forwards, the drafter keeps the profile's price of a verified token and
+    moves the 5 ms to the overhead; without the measured forward the tied scale absorbs
+    the 5 ms and prices every verified token higher."""
+    B = 8
+    conf = np.full((B, 8), 0.7)
+    prices = {}
+    for measured in (True, False):
+        policy = SpecServePolicy(COST, 8, prior=0.7)
+        for _ in range(200):
+            step = make_step(B, context=256)
+            drafted, k = _plan(policy, step, conf)
+            truth = StepTimer(COST, step, lag_cap=policy.drafter.lag_cap)
+            drafting = draft_time(COST.draft, truth.n, truth.lag, drafted)
+            target = truth.plan(drafted, k) - drafting - COST.overhead
+            policy.observe(step, VerifyOutcome(
+                drafted=drafted, verified=k, accepted=np.minimum(k, 2),
+                confidences=conf[:, : max(int(drafted.max()), 1)],
+                step_time=target + drafting + 0.005, draft_time=drafting,
+                verify_time=target if measured else None))
+        policy.start(make_step(B, context=256))
+        prices[measured] = policy.drafter.cost
+    assert prices[True].target.b == pytest.approx(COST.target.b, rel=0.02)
+    assert prices[True].overhead == pytest.approx(0.005, rel=0.05)
+    assert prices[False].target.b > 1.05 * COST.target.b
 
 
 def test_elimination_at_a_rate_keeps_tokens_that_earn_more_than_their_time():

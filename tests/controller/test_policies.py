@@ -287,7 +287,7 @@ def test_slo_guard_learns_how_much_steps_overrun_the_cost_model():
     timer = StepTimer(COST, make_step(8))
     slo = 1.4 * timer.uniform(4)[1]  # k = 1 fits the SLO by 40% on the model (guard: 30%)
     step = make_step(8, slo=np.full(8, slo))
-    policy = SpecServePolicy(COST, 4, prior=0.95, start_margin=0.0)
+    policy = SpecServePolicy(COST, 4, prior=0.95, start_margin=0.0, initial_overrun=1.3)
     assert policy.start(step).all()
     ones = np.ones(8, dtype=np.int64)
     predicted = StepTimer(COST, step).plan(ones, ones)
@@ -300,6 +300,25 @@ def test_slo_guard_learns_how_much_steps_overrun_the_cost_model():
     assert later.sum() < 8  # the full k = 1 plan no longer fits SLO / 1.5 ...
     assert StepTimer(COST, step).plan(later, later) <= slo / 1.5  # ... a smaller one does
     assert policy.start(make_step(8)).all()  # no SLO: speculation is still on
+
+
+def test_slo_guard_assumes_the_worst_until_its_window_has_measured_the_machine():
+    """By default the guard starts at 2x (the most it allows): a k = 1 plan that fits the
+    SLO by 40% on the model waits until `overrun_window` steps have measured how far this
+    machine's steps run over; they ran as predicted here, so it then speculates."""
+    timer = StepTimer(COST, make_step(8))
+    slo = 1.4 * timer.uniform(4)[1]
+    policy = SpecServePolicy(COST, 4, prior=0.95, overrun_window=16)
+    zeros = np.zeros(8, dtype=np.int64)
+    for i in range(16):
+        step = make_step(8, slo=np.full(8, slo))
+        assert not policy.start(step).any(), f"speculated at step {i}, before the window filled"
+        policy.observe(step, VerifyOutcome(drafted=zeros, verified=zeros, accepted=zeros,
+                                           confidences=np.zeros((8, 0)),
+                                           step_time=StepTimer(COST, step).plain,
+                                           draft_time=0.0))
+    assert policy.drafter.slo_scale == pytest.approx(1.0)
+    assert policy.start(make_step(8, slo=np.full(8, slo))).all()
 
 
 def test_slo_guard_counts_plain_steps_that_run_long_but_not_prefill_steps():

@@ -156,3 +156,26 @@ def test_greedy_requests_batched_with_sampling_ones(make_engine, prompts, refere
     _run(solo, prompts[:16:2], 24, per_step=8)
     rate = sum(r.spec.accepted for r in reqs[::2]) / sum(r.spec.verified for r in reqs[::2])
     assert rate == pytest.approx(solo.stats.accepted / solo.stats.verified, abs=0.05)
+
+
+class RecordingPolicy(RandomPolicy):
+    """RandomPolicy that keeps the outcomes the engine reports."""
+
+    def __init__(self, seed: int):
+        super().__init__(seed)
+        self.outcomes = []
+
+    def observe(self, step, outcome):
+        self.outcomes.append(outcome)
+
+
+def test_engine_reports_the_measured_parts_of_a_step(make_engine, prompts):
+    """Every outcome carries the step's measured draft and target-forward seconds, and they
+    fit inside the step (the online cost correction splits the step on them)."""
+    eng = make_engine(spec_policy="fixed:1", k_max=4)
+    eng.runner.policy = policy = RecordingPolicy(seed=5)
+    _run(eng, prompts[:8], 8)
+    assert policy.outcomes
+    for o in policy.outcomes:
+        assert o.verify_time is not None and 0.0 < o.verify_time
+        assert o.draft_time + o.verify_time <= o.step_time
