@@ -77,6 +77,7 @@ from collections import deque
 import numpy as np
 
 from sloserve.drafter.policy import StepInfo, VerifyOutcome
+from sloserve.drafter.small_rounds import SMALL_BATCH, SmallRounds
 from sloserve.drafter.state import RequestTable
 from sloserve.estimator.acceptance import ConfidenceCalibrator
 from sloserve.estimator.cost_model import CostModel
@@ -89,8 +90,9 @@ from sloserve.estimator.step_time import StepTimer, draft_time
 _accumulate = np.add.accumulate
 
 
-class AdaptiveDrafter:
-    """Step-level draft length control, per request, with per-step cached state."""
+class AdaptiveDrafter(SmallRounds):
+    """Step-level draft length control, per request, with per-step cached state. Batches of
+    at most `small_batch` requests are planned on Python floats (small_rounds.py)."""
 
     def __init__(
         self,
@@ -100,7 +102,7 @@ class AdaptiveDrafter:
         ema: float = 0.3,
         collapse: float = 0.05,
         start_margin: float = 0.0,
-        overrun_window: int = 256,
+        overrun_window: int = 1024,
         initial_overrun: float = 2.0,
         prior: float = 0.6,
         prior_ema: float = 0.05,
@@ -111,7 +113,10 @@ class AdaptiveDrafter:
         calibrate_every: int = 8,
         score_prefill: bool = False,
         uniform_margin: float = 0.06,
+        small_batch: int = SMALL_BATCH,
     ) -> None:
+        self.small_batch = small_batch
+        self.small = False  # the current step is planned on Python floats (small_rounds.py)
         # the whole candidate set drafts unless a smaller subset scores this much higher
         self.uniform_margin = uniform_margin
         # False: a step's prefill seconds stay out of the E it scores (see the docstring)
@@ -152,12 +157,17 @@ class AdaptiveDrafter:
         # (how long a step can run over is the machine's as much as the plan's); steps with
         # prefill count as 1 (a prefill's error is not the speculation's), so an overrun ages
         # out of the window and speculation is tried again rather than off for good after
-        # one slow stretch (256 steps of any kind)
-        # (until `overrun_window` steps have measured it, steps are assumed to run up to
-        # `initial_overrun` x the model: by default 2, the most the guard allows, since a
-        # machine's spikes show only now and then: at 1.3 the first k = 1 steps on this CPU,
-        # tried before a spike had been seen, were the SLO misses of a batch-8 run)
-        self.overruns: deque[float] = deque([initial_overrun], maxlen=overrun_window)
+        # one slow stretch (1024 steps of any kind). A machine's spikes show only now and
+        # then, so the window is long: with 256 steps a batch-8 run at a 30 ms SLO speculated
+        # once the last spike had aged out and the next one hit a k = 1 step (1 run of 3).
+        # Until `overrun_window` steps have measured it, steps are assumed to run up to
+        # `initial_overrun` x the model: by default 2, the most the guard allows (at 1.3 the
+        # first k = 1 steps on this CPU, tried before a spike had been seen, were the misses)
+        self.overrun_window = overrun_window
+        # the window's running maximum: (step number, overrun) with decreasing overruns, so
+        # its head is the maximum (a monotone queue: O(1) a step for any window length)
+        self.overruns: deque[tuple[int, float]] = deque([(0, initial_overrun)])
+        self.overrun_steps = 1  # overruns recorded so far, the initial one included
         self.slo_scale = initial_overrun
         self.prior = prior  # global EMA of g(c): the prediction for new requests
         self.prior_ema = prior_ema
@@ -188,6 +198,8 @@ class AdaptiveDrafter:
         self._begin(step, k_max)
         if k_max <= 0 or step.batch_size == 0:
             return np.zeros(step.batch_size, dtype=bool)
+        if self.small:
+            return self._grow_small(0, self.p_last_l)
         return self._grow(0, self.p_last)
 
     def extend(self, step: StepInfo, confidences: np.ndarray, drafting: np.ndarray) -> np.ndarray:
@@ -199,6 +211,9 @@ class AdaptiveDrafter:
         if j >= self.k_max:
             return np.zeros(step.batch_size, dtype=bool)
         # requests still drafting whose chain has not collapsed (p_last is 0 for the others)
+        if self.small:
+            collapse = self.collapse
+            return self._grow_small(j, [p >= collapse for p in self.p_last_l])
         return self._grow(j, self.p_last >= self.collapse)
 
     def observe(self, step: StepInfo, outcome: VerifyOutcome) -> None:
@@ -228,10 +243,11 @@ class AdaptiveDrafter:
             elif tracked and n_drafted == self.k_total:
                 # the engine drafted exactly the plan (it can only draft a subset of it): its
                 # time is known, less the verify tokens that elimination removed
-                planned_verify = float(timer.verify_extra(n_drafted))
+                tt = timer.token_time  # (verify_extra on Python floats)
+                planned_verify = tt * timer.paid_verify(n_drafted)
                 drafting = self.time - timer.plain - planned_verify
-                predicted = self.time - planned_verify + float(
-                    timer.verify_extra(int(outcome.verified.sum())))
+                predicted = self.time - planned_verify + tt * timer.paid_verify(
+                    int(outcome.verified.sum()))
             else:
                 predicted = timer.plan(outcome.drafted, outcome.verified)
             # back to profile seconds: the fit's features. Steps with prefill chunks stay out:
@@ -255,16 +271,31 @@ class AdaptiveDrafter:
             has_slo = self.slo < float("inf") if tracked else binding_slo(step) < float("inf")
             if has_slo:
                 measured = not step.prefill_tokens and predicted > 0.0
-                self.overruns.append(outcome.step_time / predicted if measured else 1.0)
-                self.slo_scale = min(2.0, max(1.0, max(self.overruns)))
+                self._record_overrun(outcome.step_time / predicted if measured else 1.0)
         if self.step is step and step.batch_size:
-            self.history.values[self.slots] = self.pred
-            # the prior follows the mean prediction over the live requests
-            mean = float(self.pred.dot(self.ones)) / step.batch_size
+            if self.small:
+                self.history.values[self.slots] = self.pred_l
+                mean = sum(self.pred_l) / step.batch_size
+            else:
+                self.history.values[self.slots] = self.pred
+                # the prior follows the mean prediction over the live requests
+                mean = float(self.pred.dot(self.ones)) / step.batch_size
             self.prior += self.prior_ema * (mean - self.prior)
 
     def release(self, request_id: str) -> None:
         self.history.release(request_id)
+
+    def _record_overrun(self, ratio: float) -> None:
+        """Add one step's measured / predicted time; slo_scale = the window's largest."""
+        t = self.overrun_steps
+        self.overrun_steps = t + 1
+        q = self.overruns
+        while q and q[-1][1] <= ratio:
+            q.pop()
+        q.append((t, ratio))
+        if q[0][0] <= t - self.overrun_window:  # aged out of the window
+            q.popleft()
+        self.slo_scale = min(2.0, max(1.0, q[0][1]))
 
     def timer_for(self, step: StepInfo, slo: float | None = None) -> StepTimer:
         """A StepTimer with the current step's corrected prices (catch-up amortized only
@@ -302,11 +333,15 @@ class AdaptiveDrafter:
             self.P = np.full((k_max, B), np.inf)
             self.ones = np.ones(B)
             self.counts = np.arange(1.0, B + 1.0)  # [B] prefix sizes
+        self.k_total = 0  # draft tokens in the plan (all verified)
+        self.linear = self.cost.draft.q0 <= 0.0 and self.cost.target.q0 <= 0.0
+        self.small = B <= self.small_batch
+        if self.small:  # costs are made per round on Python floats
+            self._begin_small(B)
+            return
         self.costs = self.timer.draft_token_costs(k_max)  # [k_max, B] per-token seconds
         if self.cost.draft.b + self.cost.target.b <= 0.0:  # free tokens: keep gain/cost finite
             self.costs = np.maximum(self.costs, 1e-12)
-        self.k_total = 0  # draft tokens in the plan (all verified)
-        self.linear = self.cost.draft.q0 <= 0.0 and self.cost.target.q0 <= 0.0
         if self.linear:  # no knee: the per-request linear costs add up exactly
             return
         # [k_max, B] draft forward attention seconds per request at position j + 1 (the first
@@ -344,7 +379,9 @@ class AdaptiveDrafter:
         gain = self.p_last * self.pred
         gain *= weight  # [B] expected extra tokens (0 for non-candidates)
         cost = self.costs[j]  # [B] seconds, linear: ranks the requests
-        order = (gain / cost).argsort()[::-1]  # best tokens per second first
+        # best tokens per second first (a stable sort: ties in the same order as the
+        # small-batch path's)
+        order = (gain / cost).argsort(kind="stable")[::-1]
         tokens = gain.take(order)
         tokens[0] += self.tokens  # so the prefix sums start from the current plan
         _accumulate(tokens, out=tokens)  # [B] plan with the first i + 1 of order
@@ -402,6 +439,9 @@ class AdaptiveDrafter:
 
     def _correct(self, j: int, conf: np.ndarray, drafting: np.ndarray) -> None:
         """Replace the prediction of position j (just drafted) by its real confidence."""
+        if self.small:
+            self._correct_small(j, conf, drafting)
+            return
         acc = self.g(np.fmax(conf, 0.0))  # [B] g(c); NaN (not drafted) -> g(0)
         p = self.p_last * acc
         p *= drafting

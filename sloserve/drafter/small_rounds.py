@@ -1,0 +1,142 @@
+"""The adaptive drafter's per-round decisions on Python floats, for small decode batches.
+
+In the engine every numpy call made after a forward runs on cold caches: ~20-30 us for the
+first, ~5 us for each further one, against ~1 us warm. A draft round's decision (correct
+with the real confidences, then pick who drafts the next position: adaptive.py) is ~25
+such calls, so at batch 4 on the built-in CPU pair the controller took ~3% of every step,
+about all of the gap between `specserve` and the best fixed k. Over a few requests plain
+Python loops are cheaper cold; this mixin does the same arithmetic in the same order (the
+same floats, hence the same decisions; tests/controller/test_small_rounds.py runs both
+paths side by side) with three or four numpy calls a round. Used for batches of at most
+`AdaptiveDrafter.small_batch` requests (default SMALL_BATCH).
+
+State while a step is planned (lists of Python floats, one entry per request):
+    pred_l   the predicted acceptance of the next draft token (adaptive.py's `pred`)
+    p_last_l the chain probability of the last drafted position (`p_last`)
+    n_l, lag_l  the StepTimer's context lengths and catch-up tokens (lag_l None: no lag)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+SMALL_BATCH = 8  # at most this many requests: per-round decisions on Python floats
+
+
+class SmallRounds:
+    """Mixin of AdaptiveDrafter: `_begin_small`, `_grow_small`, `_correct_small`."""
+
+    def _begin_small(self, B: int) -> None:
+        t = self.timer
+        self.n_l = t.n.tolist()
+        self.lag_l = t.lag.tolist() if t.has_lag else None
+        self.pred_l = self.pred.tolist()
+        self.p_last_l = [1.0] * B
+
+    def _cost_row(self, j: int) -> list[float]:
+        """Row j of StepTimer.draft_token_costs, operation for operation."""
+        d = self.cost.draft
+        a, base = d.a, d.b + self.timer.token_time
+        aj = a * float(j)
+        row = [(a * n + base) + aj for n in self.n_l]
+        if j == 0 and self.lag_l is not None:
+            row = [c + (d.b - a) * lag for c, lag in zip(row, self.lag_l)]
+        if d.b + self.cost.target.b <= 0.0:
+            row = [max(c, 1e-12) for c in row]
+        return row
+
+    def _prefix_times_small(self, j: int, order: list[int]) -> list[float]:
+        """adaptive.py's `_prefix_times` on Python floats."""
+        d = self.cost.draft
+        t = self.time + d.c
+        times = []
+        if self.linear:
+            cost = self._cost_row(j)
+            for i in order:
+                t = cost[i] + t if not times else t + cost[i]
+                times.append(t)
+            return times
+        a, fj = d.a, float(j)
+        lag = self.lag_l if j == 0 else None
+        for i in order:
+            ctx = a * (self.n_l[i] + fj)
+            if lag is not None:
+                ctx = ctx - a * lag[i]
+            t = ctx + t if not times else t + ctx
+            times.append(t)
+        if lag is not None:  # the first forward also feeds the lag tokens
+            q = 0.0
+            for m, i in enumerate(order):
+                q += 1.0 + lag[i]
+                times[m] = times[m] + d.b * max(q - d.q0, 0.0)
+        else:
+            for m in range(len(times)):
+                times[m] = times[m] + d.b * max((m + 1.0) - d.q0, 0.0)
+        tt = self.timer.token_time
+        free = self.timer.free_verify - self.k_total
+        if free > 0.0:
+            paid_from = tt * free
+            for m in range(len(times)):
+                times[m] = times[m] + max(tt * (m + 1.0) - paid_from, 0.0)
+        else:
+            for m in range(len(times)):
+                times[m] = times[m] + tt * (m + 1.0)
+        return times
+
+    def _grow_small(self, j: int, weight: list) -> np.ndarray:
+        """adaptive.py's `_grow` on Python floats: [B] bool, who drafts position j + 1."""
+        p_last, pred = self.p_last_l, self.pred_l
+        B = len(pred)
+        gain = [p_last[i] * pred[i] * weight[i] for i in range(B)]
+        cost = self._cost_row(j)
+        ratio = [g / c for g, c in zip(gain, cost)]
+        # numpy's stable ascending argsort, reversed (ties: the higher index first)
+        order = sorted(range(B), key=ratio.__getitem__)[::-1]
+        tokens = []
+        acc = self.tokens
+        for i in order:
+            acc = gain[i] + acc if not tokens else acc + gain[i]
+            tokens.append(acc)
+        time = self._prefix_times_small(j, order)
+        margin = 1.0 + self.start_margin if j == 0 else 1.0
+        if self.rate is None:
+            un = self.unscored
+            score = [tk / (tm - un) for tk, tm in zip(tokens, time)]
+            current = self.tokens / (self.time - un) * margin
+        else:
+            lam = self.rate * margin
+            score = [tk - lam * tm for tk, tm in zip(tokens, time)]
+            current = self.tokens - lam * self.time
+        if self.slo < float("inf"):
+            score = [-np.inf if tm > self.slo else s for s, tm in zip(score, time)]
+        best = 0
+        for m in range(1, B):
+            if score[m] > score[best]:
+                best = m
+        if self.uniform_margin and self.rate is None:
+            full = sum(1 for g in gain if g != 0.0) - 1
+            if full > best and score[full] * (1.0 + self.uniform_margin) >= score[best]:
+                best = full
+        drafting = np.zeros(B, dtype=bool)
+        if score[best] <= current:
+            return drafting
+        drafting[order[: best + 1]] = True
+        self.time = time[best]
+        self.k_total += best + 1
+        return drafting
+
+    def _correct_small(self, j: int, conf: np.ndarray, drafting: np.ndarray) -> None:
+        """adaptive.py's `_correct` on Python floats (the calibration map stays numpy's)."""
+        acc = self.g(np.fmax(conf, 0.0)).tolist()  # g(c); NaN (not drafted) -> g(0)
+        drafted = drafting.tolist()
+        p_last, pred, ema = self.p_last_l, self.pred_l, self.ema
+        p = [p_last[i] * acc[i] * drafted[i] for i in range(len(acc))]
+        self.p_last_l = p
+        np.copyto(self.P[j - 1], p, where=drafting)
+        total = 0.0
+        for x in p:
+            total += x
+        self.tokens += total
+        for i, d in enumerate(drafted):
+            if d:
+                pred[i] = pred[i] + (acc[i] - pred[i]) * ema

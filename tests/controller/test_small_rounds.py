@@ -1,0 +1,93 @@
+"""The adaptive drafter's small-batch path (drafter/small_rounds.py, Python floats) decides
+exactly what its numpy path decides: the same requests draft every position, the same
+tokens are verified, with the same plan time, over random steps (contexts, catch-up lags,
+SLOs, prefill chunks, knee and linear cost models, the measured-rate rule) and random
+confidences, fed back through observe so the histories and scales evolve alike."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from sloserve.bench.synthetic import cpu_cost_model
+from sloserve.drafter.policy import StepInfo, VerifyOutcome
+from sloserve.drafter.specserve import SpecServePolicy
+from sloserve.estimator.cost_model import CostModel, ForwardCost
+from sloserve.estimator.step_time import StepTimer
+
+KNEE = CostModel(ForwardCost(2.0e-6, 4.4e-4, 12.6e-3, 6.5), ForwardCost(1.5e-7, 2.9e-5, 2.1e-3, 5.0),
+                 1.2e-3)
+
+
+def _random_step(rng, B: int, t: int, slo_on: bool) -> StepInfo:
+    slo = np.full(B, np.inf)
+    if slo_on:
+        slo[rng.integers(0, B)] = rng.uniform(0.02, 0.2)
+    lag = rng.integers(0, 3, B) if rng.random() < 0.5 else None
+    prefill = int(rng.integers(1, 300)) if rng.random() < 0.3 else 0
+    return StepInfo(
+        request_ids=[f"r{(t // 7) * 3 + i}" for i in range(B)],  # requests come and go
+        context_lens=rng.integers(16, 2048, B),
+        tpot_slo=slo,
+        k_max=8,
+        prefill_tokens=prefill,
+        prefill_context=prefill + int(rng.integers(0, 500)) if prefill else 0,
+        draft_lag=lag,
+    )
+
+
+def _run(policy: SpecServePolicy, step: StepInfo, conf: np.ndarray, rng_seed: int):
+    """One engine step: start / extend until nobody drafts / verify_lengths / observe."""
+    B = step.batch_size
+    rounds = [policy.start(step).copy()]
+    drafting = rounds[0]
+    drafted = np.zeros(B, dtype=np.int64)
+    j = 0
+    while drafting.any() and j < step.k_max:
+        drafted += drafting
+        j += 1
+        c = np.where(drafted >= np.arange(1, j + 1)[:, None], conf[:, :j].T, np.nan).T
+        drafting = drafting & policy.extend(step, c, drafting)
+        rounds.append(drafting.copy())
+    s = int(drafted.max()) if B else 0
+    c = np.where(np.arange(1, s + 1)[None, :] <= drafted[:, None], conf[:, :s], np.nan)
+    k = policy.verify_lengths(step, c, drafted) if s else drafted.copy()
+    plan = (policy.drafter.tokens, policy.drafter.time)
+    rng = np.random.default_rng(rng_seed)
+    accepted = np.minimum(k, rng.integers(0, 4, B))
+    timer = StepTimer(policy.drafter.cost, step)
+    predicted = timer.plan(drafted, k)
+    policy.observe(step, VerifyOutcome(
+        drafted=drafted, verified=np.asarray(k), accepted=accepted, confidences=c,
+        step_time=predicted * rng.uniform(0.8, 1.6), draft_time=0.0,
+        verify_time=predicted * 0.7 if rng.random() < 0.7 else None))
+    return [r.tolist() for r in rounds], np.asarray(k).tolist(), plan
+
+
+@pytest.mark.parametrize("cost", [KNEE, cpu_cost_model()], ids=["knee", "linear"])
+@pytest.mark.parametrize("options", [{}, {"long_run_rate": True}, {"uniform_margin": 0.0},
+                                     {"score_prefill": True, "start_margin": 0.05}])
+def test_small_batch_path_decides_as_the_numpy_path(cost, options):
+    rng = np.random.default_rng(7)
+    numpy_path = SpecServePolicy(cost, 8, small_batch=0, **options)
+    small_path = SpecServePolicy(cost, 8, small_batch=64, **options)
+    slo_on = rng.random() < 0.5
+    exercised = set()
+    for t in range(150):
+        B = int(rng.integers(1, 9))
+        step = _random_step(rng, B, t, slo_on or t % 3 == 0)
+        conf = rng.beta(2.0, 1.2, (B, 8))
+        a = _run(numpy_path, step, conf, t)
+        b = _run(small_path, dataclasses.replace(step), conf, t)
+        assert numpy_path.drafter.small is False and small_path.drafter.small is True
+        assert a[0] == b[0], f"step {t}: draft rounds differ"
+        assert a[1] == b[1], f"step {t}: verify lengths differ"
+        assert a[2] == pytest.approx(b[2], rel=1e-9), f"step {t}: plan tokens/time differ"
+        exercised.add(len(a[0]) - 1)
+        exercised.add("subset" if any(0 < sum(r) < B for r in a[0]) else "uniform")
+    np.testing.assert_allclose(numpy_path.drafter.history.values[:32],
+                               small_path.drafter.history.values[:32], rtol=1e-9)
+    assert numpy_path.drafter.prior == pytest.approx(small_path.drafter.prior, rel=1e-9)
+    assert {0, 1, 2} <= exercised  # plain steps, one draft round and more were all compared
