@@ -67,7 +67,10 @@ the real catch-up: the SLO rule is about this step's time, which the catch-up re
 overrun guard and turned speculation off: 0.96x ar at batch 8, 40 ms).
 
 Per-step state is cached (StepTimer sums, the binding SLO, P, the plan's tokens and time), so
-each call is a fixed handful of numpy operations, independent of B in count.
+each call is a fixed handful of numpy operations, independent of B in count. Batches of at
+most `small_batch` (8) requests make the per-round decisions on Python floats instead
+(small_rounds.py): after a forward every numpy call runs on cold caches, and over a few
+requests plain loops cost less.
 """
 
 from __future__ import annotations
