@@ -48,8 +48,9 @@ the rest of the step, the engine's own work, is measured as the overhead; so a p
 prices draft forwards too low (or a machine that drifted since profiling) does not make the
 drafter over-speculate. `correct_cost=False` scores with the profile alone.
 
-Rate (an option, off by default): with `long_run_rate=True` the drafter scores a plan by its net tokens, tokens - rate * time, with rate the engine's measured throughput
-(decode tokens per second over the last ~1 / (1 - rate_forget) steps), and the verifier
+Rate (an option, off by default): with `long_run_rate=True` the drafter scores a plan by
+its net tokens, tokens - rate * time, with rate the engine's measured throughput (decode
+tokens per second over the last ~1 / (1 - rate_forget) steps), and the verifier
 trims at that rate: right when throughput is the goal (closed loop at batch 4-16 on the
 built-in pair: 2-3 points closer to the best fixed k), wrong for latency under open-loop
 traffic, where a step's own E is what its requests' TPOT feels (replay of the Azure

@@ -53,7 +53,7 @@ class SmallRounds:
         if self.linear:
             cost = self._cost_row(j)
             for i in order:
-                t = cost[i] + t if not times else t + cost[i]
+                t += cost[i]
                 times.append(t)
             return times
         a, fj = d.a, float(j)
@@ -62,7 +62,7 @@ class SmallRounds:
             ctx = a * (self.n_l[i] + fj)
             if lag is not None:
                 ctx = ctx - a * lag[i]
-            t = ctx + t if not times else t + ctx
+            t += ctx
             times.append(t)
         if lag is not None:  # the first forward also feeds the lag tokens
             q = 0.0
@@ -95,7 +95,7 @@ class SmallRounds:
         tokens = []
         acc = self.tokens
         for i in order:
-            acc = gain[i] + acc if not tokens else acc + gain[i]
+            acc += gain[i]
             tokens.append(acc)
         time = self._prefix_times_small(j, order)
         margin = 1.0 + self.start_margin if j == 0 else 1.0

@@ -86,31 +86,17 @@ class StepCostCorrection:
         alone (a ratio fit on plain + verify), while the rest of the step, measured - draft
         - target, is tracked as `self.overhead`: the engine's own per-step work (sampling,
         commit, detokenizing: ~1.4 ms a step at batch 32 on the built-in CPU pair) then
-        no longer inflates the price of a verified token, nor the machine's drift of the
-        target's speed the overhead."""
+        no longer inflates the price of a verified token."""
         if plain <= 0.0 or measured <= 0.0 or draft < 0.0 or verify < 0.0:
             return
         if measured_target is not None and measured_target > 0.0:
             self._observe_target(plain, draft, verify, measured, measured_draft,
                                  measured_target, overhead)
             return
+        w, m_draft = self._observe_draft(draft, measured_draft)
         f = self.forget
-        self.prior_left *= f
-        w = self.prior_left + self.ridge
-        self.sdd *= f
-        self.sdm *= f
-        if draft > 0.0 and measured_draft is not None and measured_draft > 0.0:
-            m = self._clipped(measured_draft, self.theta_draft * draft)
-            self.sdd += draft * draft
-            self.sdm += draft * m
-            self.d2 = self._typical(self.d2, draft * draft)
-            rest = measured - m
-        else:
-            rest = measured - self.theta_draft * draft
-        if self.d2 > 0.0:
-            lam = w * self.d2
-            self.theta_draft = self._bound((self.sdm + lam) / (self.sdd + lam))
-        y = self._clipped(rest, self.theta_plain * plain + self.theta_verify * verify)
+        y = self._clipped(measured - m_draft,
+                          self.theta_plain * plain + self.theta_verify * verify)
         if verify > 0.0:
             self.v2 = self._typical(self.v2, verify * verify)
         self.spp = f * self.spp + plain * plain
@@ -124,22 +110,8 @@ class StepCostCorrection:
     def _observe_target(self, plain: float, draft: float, verify: float, measured: float,
                         measured_draft: float | None, measured_target: float,
                         overhead: float) -> None:
+        w, m_draft = self._observe_draft(draft, measured_draft)
         f = self.forget
-        self.prior_left *= f
-        w = self.prior_left + self.ridge
-        self.sdd *= f
-        self.sdm *= f
-        m_draft = 0.0
-        if draft > 0.0 and measured_draft is not None and measured_draft > 0.0:
-            m_draft = self._clipped(measured_draft, self.theta_draft * draft)
-            self.sdd += draft * draft
-            self.sdm += draft * m_draft
-            self.d2 = self._typical(self.d2, draft * draft)
-        elif draft > 0.0:
-            m_draft = self.theta_draft * draft
-        if self.d2 > 0.0:
-            lam = w * self.d2
-            self.theta_draft = self._bound((self.sdm + lam) / (self.sdd + lam))
         x = plain + verify  # profiled seconds of the target forward
         y = self._clipped(measured_target, self.theta_verify * x)
         self.stt = f * self.stt + x * x
@@ -151,6 +123,27 @@ class StepCostCorrection:
         # (the profile's overhead until measured steps outweigh it)
         self.srest = f * self.srest + max(0.0, measured - m_draft - measured_target)
         self.overhead = (self.srest + w * overhead) / (self.n_target + w)
+
+    def _observe_draft(self, draft: float, measured_draft: float | None) -> tuple[float, float]:
+        """Fade every sum by one step and fit theta_draft on this step's drafting. Returns
+        the prior's weight now and the step's draft seconds: measured (clipped), or at the
+        scale so far where not measured."""
+        f = self.forget
+        self.prior_left *= f
+        w = self.prior_left + self.ridge
+        self.sdd *= f
+        self.sdm *= f
+        if draft > 0.0 and measured_draft is not None and measured_draft > 0.0:
+            m_draft = self._clipped(measured_draft, self.theta_draft * draft)
+            self.sdd += draft * draft
+            self.sdm += draft * m_draft
+            self.d2 = self._typical(self.d2, draft * draft)
+        else:
+            m_draft = self.theta_draft * draft
+        if self.d2 > 0.0:
+            lam = w * self.d2
+            self.theta_draft = self._bound((self.sdm + lam) / (self.sdd + lam))
+        return w, m_draft
 
     def _typical(self, mean: float, x: float) -> float:
         return x if mean == 0.0 else mean + (1.0 - self.forget) * (x - mean)
