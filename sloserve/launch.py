@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
                    default=_ENGINE.dtype, help="weights and KV dtype (auto: bfloat16 on "
                    "cuda, float32 on cpu)")
-    e.add_argument("--attention-backend", choices=("auto", "cpu", "torch", "flashinfer"),
+    e.add_argument("--attention-backend", choices=("auto", "cpu", "torch"),
                    default=_ENGINE.attention_backend,
                    help="attention implementation (auto: the C++ kernel backend 'cpu' on the "
                    "CPU, falling back to 'torch' where it cannot be built)")
@@ -149,8 +149,8 @@ def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 
 
 def _check_policy(parser, spec: str, k_max: int, drafter: str) -> None:
-    from sloserve.drafter.registry import make_policy
     from sloserve.estimator.cost_model import CostModel, ForwardCost
+    from sloserve.policies.registry import make_policy
 
     free = ForwardCost.free()
     try:

@@ -24,32 +24,40 @@ import numpy as np
 import torch
 
 from sloserve.bench.common import machine_info, ordinary_prompts, print_table, write_json
-from sloserve.drafter.policy import StepInfo, VerifyOutcome
-from sloserve.drafter.registry import make_policy
+from sloserve.policies.registry import make_policy
 from sloserve.runtime.batch import Segment
 from sloserve.runtime.config import EngineConfig
 from sloserve.runtime.engine import Engine
 from sloserve.runtime.request import SamplingParams
+from sloserve.speculation import SpecPlan, SpecPolicy, StepInfo, VerifyOutcome
 
 BINS = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0001]
 
 
-class Recorder:
+class Recorder(SpecPolicy):
     """Wraps a policy and records (confidence, accepted) for each verified draft position."""
 
-    def __init__(self, inner):
+    def __init__(self, inner: SpecPolicy) -> None:
         self.inner = inner
+        self.name = inner.name
         self.pairs: list[tuple[float, bool]] = []
 
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
+    def plan(self, step: StepInfo) -> SpecPlan:
+        return self.inner.plan(step)
 
-    def observe(self, step: StepInfo, outcome: VerifyOutcome) -> None:
+    def release(self, request_id: str) -> None:
+        self.inner.release(request_id)
+
+    @property
+    def speculates(self) -> bool:
+        return self.inner.speculates
+
+    def observe(self, plan: SpecPlan, outcome: VerifyOutcome) -> None:
         for r in range(len(outcome.verified)):
             k, a = int(outcome.verified[r]), int(outcome.accepted[r])
             for j in range(min(k, a + 1)):  # positions up to and including the first rejection
                 self.pairs.append((float(outcome.confidences[r, j]), j < a))
-        self.inner.observe(step, outcome)
+        self.inner.observe(plan, outcome)
 
 
 def forward_ms(runner, batch: int, ctx: int = 128, reps: int = 20) -> float:

@@ -28,10 +28,10 @@ import numpy as np
 
 from sloserve import __version__
 from sloserve.bench.synthetic import SyntheticWorkload, cpu_cost_model, make_step
-from sloserve.drafter.policy import SpecPolicy, StepInfo, VerifyOutcome
-from sloserve.drafter.registry import make_policy
 from sloserve.estimator.cost_model import CostModel, ForwardCost
 from sloserve.estimator.step_time import StepTimer
+from sloserve.policies.registry import make_policy
+from sloserve.speculation import SpecPolicy, StepInfo, VerifyOutcome
 
 
 def gpu_cost_model() -> CostModel:
@@ -63,7 +63,7 @@ def timed_step(
     policy: SpecPolicy, step: StepInfo, conf_all: np.ndarray, work, clock=time.perf_counter,
     cost: CostModel | None = None,
 ) -> tuple:
-    """One step in engine order. Returns ([start, extend, verify, observe] policy seconds,
+    """One step in engine order. Returns ([plan, extend, verify, observe] policy seconds,
     extend calls, drafted, verified, accepted). The step "measures" the cost model's time of
     the plan (cost; 0 without), so policies that learn from step times do that work too."""
     B, k_max = conf_all.shape
@@ -71,7 +71,8 @@ def timed_step(
     drafted = np.zeros(B, dtype=np.int64)
     spent = [0.0, 0.0, 0.0, 0.0]
     t0 = clock()
-    drafting = policy.start(step)
+    plan = policy.plan(step)
+    drafting = plan.drafting
     spent[0] = clock() - t0
     j = 0
     while drafting.any() and j < k_max:
@@ -79,17 +80,17 @@ def timed_step(
         drafted += drafting
         j += 1
         t0 = clock()
-        drafting = policy.extend(step, conf[:, :j], drafting)
+        drafting = plan.extend(conf[:, :j], drafting)
         spent[1] += clock() - t0
     s = max(1, j)
     t0 = clock()
-    verified = policy.verify_lengths(step, conf[:, :s], drafted)
+    verified = plan.verify_lengths(conf[:, :s], drafted)
     spent[2] = clock() - t0
     accepted = work.accept(conf[:, :s], verified)
     step_time = StepTimer(cost, step).plan(drafted, verified) if cost is not None else 0.0
     outcome = VerifyOutcome(drafted, verified, accepted, conf[:, :s], step_time, 0.0)
     t0 = clock()
-    policy.observe(step, outcome)
+    policy.observe(plan, outcome)
     spent[3] = clock() - t0
     return spent, j, int(drafted.sum()), int(verified.sum()), int(accepted.sum())
 

@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from sloserve.bench.common import machine_info, ordinary_prompts, print_table, write_json
-from sloserve.drafter.registry import make_policy
+from sloserve.policies.registry import make_policy
 from sloserve.runtime.config import EngineConfig
 from sloserve.runtime.engine import Engine
 from sloserve.runtime.kv_cache import BlockAllocator, KVStorage

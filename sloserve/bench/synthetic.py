@@ -1,7 +1,7 @@
 """Synthetic decode steps for exercising policies without an engine or a model.
 
 `drive_step` makes the same calls, in the same order, as the engine does every decode step
-(see sloserve/drafter/policy.py); confidences come from per-request Beta distributions and
+(see sloserve/speculation.py); confidences come from per-request Beta distributions and
 acceptance from a known confidence -> acceptance map, so tests can check what a policy
 learns and decides.
 """
@@ -13,13 +13,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sloserve.drafter.policy import SpecPolicy, StepInfo, VerifyOutcome
 from sloserve.estimator.cost_model import CostModel, ForwardCost
 from sloserve.estimator.step_time import StepTimer
+from sloserve.speculation import SpecPolicy, StepInfo, VerifyOutcome
 
 
 def cpu_cost_model() -> CostModel:
-    """Roughly the CPU pair of DESIGN.md sec. 10 (~100M target, ~15M draft): target forward
+    """Roughly the CPU pair of docs/design.md sec. 1 (~100M target, ~15M draft): target forward
     ~30 ms at batch 1, ~110 ms at batch 32 with 512-token contexts."""
     return CostModel(
         target=ForwardCost(a=2.0e-6, b=1.5e-3, c=28e-3),
@@ -78,19 +78,20 @@ def drive_step(
     B = step.batch_size
     conf = np.full((B, step.k_max), np.nan)  # [B, k_max]
     drafted = np.zeros(B, dtype=np.int64)
-    drafting = policy.start(step)
+    plan = policy.plan(step)
+    drafting = plan.drafting
     j = 1
     while drafting.any() and j <= step.k_max:
         conf[drafting, j - 1] = work.confidences(mean)[drafting]
         drafted += drafting
-        new = policy.extend(step, conf[:, :j], drafting)
+        new = plan.extend(conf[:, :j], drafting)
         assert not np.any(new & ~drafting), "extend must return a subset of drafting"
         drafting = new
         j += 1
     s = int(drafted.max()) if B else 0
-    verified = policy.verify_lengths(step, conf[:, :s], drafted)
+    verified = plan.verify_lengths(conf[:, :s], drafted)
     accepted = work.accept(conf[:, :s], verified)
     t = StepTimer(cost, step).plan(drafted, verified) if cost is not None else 0.0
     outcome = VerifyOutcome(drafted, verified, accepted, conf[:, :s], t, 0.0)
-    policy.observe(step, outcome)
+    policy.observe(plan, outcome)
     return outcome

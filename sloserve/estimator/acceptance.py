@@ -1,4 +1,4 @@
-"""Acceptance model (DESIGN.md section 3).
+"""Acceptance model (docs/design.md sec. 3).
 
 Conditional acceptance p_{r,j} = g(c_{r,j}) from the draft confidence c through a calibration
 map g learned online; chain probabilities P_{r,j} = prod_{m<=j} p_{r,m}; expected emitted
@@ -19,9 +19,9 @@ try:  # the compiled kernel behind np.interp: skips ~1 us of argument checks per
     from numpy._core.multiarray import interp as _interp
 except ImportError:  # numpy < 2
     try:
-        from numpy.core.multiarray import interp as _interp
+        from numpy.core.multiarray import interp as _interp  # type: ignore[no-redef]
     except ImportError:
-        _interp = np.interp
+        _interp = np.interp  # type: ignore[assignment]
 
 
 def isotonic(values: list[float], weights: list[float]) -> list[float]:

@@ -1,8 +1,8 @@
-"""Forward-time cost model (DESIGN.md section 2), with a roofline knee:
+"""Forward-time cost model (docs/design.md sec. 2), with a roofline knee:
 
     T_fwd = a * N_ctx + b * max(0, N_q - q0) + c
 
-q0 = 0 is DESIGN's linear model a * N_ctx + b * N_q + c. A forward over few query tokens is
+q0 = 0 gives the linear model a * N_ctx + b * N_q + c. A forward over few query tokens is
 bound by reading the weights, so its time hardly moves with N_q until the matmuls turn
 compute-bound; q0 is that knee, in query tokens per forward (on this CPU the built-in
 target is flat up to ~8 query rows, its draft up to ~16). The profiler fits q0 with a, b, c;

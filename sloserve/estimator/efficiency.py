@@ -1,4 +1,4 @@
-"""SLO-aware efficiency estimator (DESIGN.md section 4, SpecServe Alg. 3).
+"""SLO-aware efficiency estimator (docs/design.md sec. 4, SpecServe Alg. 3).
 
     E(k_1..k_B) = sum_r l_r(k_r) / T_step
 
@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from sloserve.drafter.policy import StepInfo
 from sloserve.estimator.acceptance import expected_tokens, geometric_tokens
 from sloserve.estimator.cost_model import CostModel
 from sloserve.estimator.step_time import StepTimer
+from sloserve.speculation import StepInfo
 
 SLO_VIOLATION = -1.0
 

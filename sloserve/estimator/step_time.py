@@ -1,4 +1,4 @@
-"""Step time of a candidate speculative plan (DESIGN.md section 2).
+"""Step time of a candidate speculative plan (docs/design.md sec. 2).
 
 A plan gives every request r of the decode batch a number of draft steps s_r and a number
 k_r <= s_r of draft tokens it sends to verification. One step then costs
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from sloserve.drafter.policy import StepInfo
 from sloserve.estimator.cost_model import CostModel, ForwardCost
+from sloserve.speculation import StepInfo
 
 
 def draft_lag(step: StepInfo) -> np.ndarray:
@@ -69,14 +69,11 @@ class StepTimer:
     """Per-step cached quantities of the cost model: build once per decode step.
 
     Every policy that scores plans during a step shares these sums, so each score is a
-    handful of float operations. plain_scale multiplies the plain-decoding time only (the
-    online correction prices plain and speculative work apart: online_cost.py). lag_cap:
-    price at most this many catch-up tokens per request (the adaptive drafter's amortized
-    pricing, adaptive.py); None prices the real lag.
+    handful of float operations. lag_cap: price at most this many catch-up tokens per request
+    (SpecServe's amortized pricing, policies/specserve/plan.py); None prices the real lag.
     """
 
-    def __init__(self, cost: CostModel, step: StepInfo, plain_scale: float = 1.0,
-                 lag_cap: float | None = None) -> None:
+    def __init__(self, cost: CostModel, step: StepInfo, lag_cap: float | None = None) -> None:
         self.cost = cost
         self.batch_size = step.batch_size
         self.n = np.asarray(step.context_lens, dtype=np.float64)  # [B] target KV lengths
@@ -95,8 +92,7 @@ class StepTimer:
         if step.prefill_tokens:
             self.plain += cost.draft.time(step.prefill_context, step.prefill_tokens)
             decode_only = verify_time(cost.target, float(self.n.sum()), float(self.batch_size))
-            self.prefill = max(0.0, self.plain - decode_only - cost.overhead) * plain_scale
-        self.plain *= plain_scale
+            self.prefill = max(0.0, self.plain - decode_only - cost.overhead)
         self.token_time = cost.target.b  # verify seconds per extra draft token past the knee
         # draft tokens the verify forward takes in before they cost token_time each
         self.free_verify = max(0.0, cost.target.q0 - self.verify_q0)

@@ -13,8 +13,8 @@ import json
 import time
 from pathlib import Path
 
+from sloserve.estimator.profile_file import profile_path, write_profile
 from sloserve.profiler.measure import FULL, QUICK, build_profile
-from sloserve.profiler.profile_file import profile_path, write_profile
 
 
 def main(argv=None) -> Path:

@@ -1,5 +1,5 @@
 """Least-squares fit of the forward cost model T = a * N_ctx + b * max(0, N_q - q0) + c
-(DESIGN.md sec. 2, with the roofline knee q0 of cost_model.py; q0 = 0 is the linear model).
+(docs/design.md sec. 2, with the roofline knee q0 of cost_model.py; q0 = 0 is the linear model).
 
 The measuring half of the profiler (which runs forwards on the engine) hands this module
 lists of samples (n_ctx, n_q, seconds). The fit minimises relative squared error by default
@@ -21,16 +21,7 @@ from itertools import combinations
 import numpy as np
 
 from sloserve.estimator.cost_model import ForwardCost
-
-
-@dataclass(frozen=True)
-class FitStats:
-    """Quality of a fit on its own samples."""
-
-    r2: float  # coefficient of determination on seconds
-    mape: float  # mean absolute percentage error as a fraction (0.02 = 2 %)
-    max_ape: float  # worst absolute percentage error as a fraction
-    n_samples: int
+from sloserve.estimator.profile_file import FitStats
 
 
 @dataclass(frozen=True)

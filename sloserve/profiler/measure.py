@@ -2,25 +2,22 @@
 model per model, and measure the per-step overhead outside the forwards.
 
 Samples are (N_ctx, N_q, seconds) with N_ctx = KV tokens attended over the batch (context +
-query of every request) and N_q = query tokens in the pass, as in DESIGN.md section 2.
+query of every request) and N_q = query tokens in the pass, as in docs/design.md sec. 2.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import statistics
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from sloserve.estimator.cost_model import ForwardCost
+from sloserve.estimator.profile_file import ModelProfile, Profile
+from sloserve.estimator.profile_lookup import device_key, fingerprint
 from sloserve.profiler.fit import fit_forward_cost
-from sloserve.profiler.profile_file import ModelProfile, Profile
 from sloserve.runtime.batch import Segment
 from sloserve.runtime.kv_cache import BlockAllocator
 from sloserve.runtime.model_runner import ModelRunner
@@ -40,36 +37,6 @@ class Grid:
 
 QUICK = Grid((1, 2, 4, 8, 16, 32), (64, 512), (1, 2, 5, 9), reps=5)
 FULL = Grid((1, 2, 4, 8, 16, 32, 64), (32, 256, 1024), tuple(range(1, 10)), reps=7)
-
-
-def device_key(device: str) -> str:
-    """'cpu-<cpu model>-<threads>t' or 'cuda-<gpu name>': profiles only transfer within one."""
-    if device.startswith("cuda"):
-        return f"cuda-{torch.cuda.get_device_name(0)}"
-    model = "cpu"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"cpu-{model}-{torch.get_num_threads()}t"
-
-
-def fingerprint(model_dir: str) -> str:
-    """Hash of config.json and the safetensors headers (shapes, names): the architecture the
-    cost depends on, not the weight values, so a rebuilt identical pair keeps its profile."""
-    h = hashlib.sha256()
-    d = Path(model_dir)
-    h.update((d / "config.json").read_bytes())
-    for f in sorted(d.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(n))
-        header.pop("__metadata__", None)
-        h.update(json.dumps(header, sort_keys=True).encode())
-    return h.hexdigest()[:16]
 
 
 def time_forward(runner: ModelRunner, alloc: BlockAllocator, batch: int, ctx: int, q: int) -> float:
@@ -143,9 +110,9 @@ def measure_drafting(engine, draft_cost: ForwardCost, k: int = 4, prompts: int =
     round costs in the engine beyond the fitted forward (building segments, picking tokens
     and confidences), which belong in the draft's per-forward cost c."""
     from sloserve.bench.common import ordinary_prompts
-    from sloserve.drafter.fixed import FixedPolicy
     from sloserve.estimator.acceptance import ConfidenceCalibrator
     from sloserve.estimator.step_time import draft_lag, draft_time
+    from sloserve.policies.fixed import FixedPolicy
     from sloserve.runtime.engine import Engine
     from sloserve.runtime.request import SamplingParams
 
@@ -153,7 +120,8 @@ def measure_drafting(engine, draft_cost: ForwardCost, k: int = 4, prompts: int =
     residuals: list[float] = []
 
     class Recorder(FixedPolicy):
-        def observe(self, step, outcome) -> None:
+        def observe(self, plan, outcome) -> None:
+            step = plan.step
             calibrator.update(outcome.confidences, outcome.verified, outcome.accepted)
             rounds = int(outcome.drafted.max(initial=0))
             if rounds:
@@ -203,10 +171,3 @@ def build_profile(engine, grid: Grid, mode: str, log=print) -> tuple[Profile, di
         overhead=overhead, grid=grid.as_dict(), mode=mode, calibration=calibration,
     )
     return profile, {"target": t_samples, "draft": d_samples}
-
-
-def default_dirs() -> list[Path]:
-    """Where profiles are looked up: the repository's configs/, then the user cache."""
-    repo = Path(__file__).resolve().parents[2] / "configs"
-    cache = Path(os.environ.get("SLOSERVE_CACHE", Path.home() / ".cache" / "sloserve"))
-    return [repo, cache]

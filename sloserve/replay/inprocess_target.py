@@ -25,7 +25,7 @@ _PARTS: dict[EngineConfig, EngineParts] = {}
 
 def shared_parts(cfg: EngineConfig) -> EngineParts:
     """Models loaded once per (config without policy); each policy gets a fresh policy object."""
-    from sloserve.drafter.registry import make_policy
+    from sloserve.policies.registry import make_policy
     from sloserve.runtime.config import resolve
 
     key = resolve(dataclasses.replace(cfg, spec_policy="ar"))

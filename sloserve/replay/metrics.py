@@ -1,4 +1,4 @@
-"""Serving metrics (DESIGN.md section 8), matching `vllm bench serve` / SGLang bench_serving.
+"""Serving metrics (docs/design.md sec. 11), matching `vllm bench serve` / SGLang bench_serving.
 
 Per request (successful requests only; times from the client's send time):
 - TTFT = first token chunk - send.

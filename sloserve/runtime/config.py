@@ -16,14 +16,14 @@ class EngineConfig:
     model_path: str | None = None  # None = the built-in target
     draft_model_path: str | None = None  # None = the built-in draft (with drafter "model")
     drafter: str = "model"  # model | ngram | none
-    spec_policy: str = "specserve"  # see sloserve.drafter.registry
+    spec_policy: str = "specserve"  # see sloserve.policies.registry
     k_max: int = 8  # most draft tokens per request per step
     tpot_slo: float | None = None  # seconds; default TPOT SLO of requests without their own
     ttft_slo: float | None = None
     kv_cache_tokens: int = 65536  # KV capacity shared by all requests, in tokens
     block_size: int = 16
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    attention_backend: str = "auto"  # auto | cpu | torch | flashinfer (auto: cpu on the CPU)
+    attention_backend: str = "auto"  # auto | cpu | torch (auto: cpu on the CPU, torch on CUDA)
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     profile_path: str | None = None  # cost profile; None = look up configs/profiles, else default

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 
-from sloserve.drafter.policy import SpecPolicy
 from sloserve.estimator.cost_model import CostModel, ForwardCost
 from sloserve.runtime.attention import make_backend
 from sloserve.runtime.config import EngineConfig
@@ -19,6 +18,7 @@ from sloserve.runtime.models.builtin import ensure_builtin_pair
 from sloserve.runtime.models.config import ModelLoadError
 from sloserve.runtime.models.cpu_linear import pack_linears, packed_linear_available
 from sloserve.runtime.models.loader import load_model
+from sloserve.speculation import SpecPolicy
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def rough_cost(target_cfg, draft_cfg) -> CostModel:
 def _load_cost(cfg: EngineConfig, target: ModelRunner, draft: ModelRunner | None,
                target_path: str, draft_path: str | None) -> tuple[CostModel, tuple | None]:
     """The cost model and the pair's calibration counts (None without a profile)."""
-    from sloserve.profiler.loading import load_profile
+    from sloserve.estimator.profile_lookup import load_profile
 
     profile = load_profile(cfg, target_path, draft_path)
     cost = profile.cost_model() if profile is not None else None
@@ -115,7 +115,7 @@ def build_parts(cfg: EngineConfig) -> EngineParts:
         d_kv = KVStorage(draft_model.cfg, cfg.num_blocks, cfg.block_size, dtype, device)
         draft = ModelRunner(draft_model, d_kv, make_backend(cfg.attention_backend, device), cfg.block_size)
     cost, calibration = _load_cost(cfg, target, draft, target_path, draft_path)
-    from sloserve.drafter.registry import make_policy
+    from sloserve.policies.registry import make_policy
 
     policy = make_policy(
         cfg.spec_policy if cfg.drafter != "none" else "ar", cost, k_max=cfg.k_max,

@@ -136,6 +136,14 @@ class Request:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    def room(self, max_context: int | None = None) -> int:
+        """Tokens it may still append before a length limit stops it: max_new_tokens, and
+        the context window when given."""
+        left = self.params.max_new_tokens - len(self.output_ids)
+        if max_context is not None:
+            left = min(left, max_context - self.num_tokens)
+        return left
+
     def reset_for_recompute(self) -> None:
         """Preemption by recompute: the caller freed the blocks; all KV is gone."""
         self.blocks = []

@@ -1,5 +1,6 @@
 """Engine-wide counters: tokens, speculation (per draft position), step times, SLO misses.
-Read by /metrics, /server_info and the benchmarks; written only by the step runner."""
+Read by /metrics, /server_info and the benchmarks; written only by step_books.account_step
+(the engine's and the simulator's step)."""
 
 from __future__ import annotations
 
@@ -33,21 +34,30 @@ class EngineStats:
     accepted: int = 0
     draft_forwards: int = 0
     slo_step_misses: int = 0  # decode steps slower than the tightest TPOT SLO in the batch
-    verified_at: list[int] = field(default_factory=list)  # [k_max] verifications per position
-    accepted_at: list[int] = field(default_factory=list)  # [k_max] acceptances per position
     chosen_k: list[int] = field(default_factory=list)  # histogram of verify lengths 0..k_max
+    # histogram of accepted draft tokens 0..k_max over request-steps that verified any
+    accepted_k: list[int] = field(default_factory=list)
     history: deque = field(default_factory=lambda: deque(maxlen=100000))  # StepRecord per step
     step_time_total: float = 0.0
     policy_time_total: float = 0.0
 
     def __post_init__(self):
-        self.verified_at = [0] * self.k_max
-        self.accepted_at = [0] * self.k_max
         self.chosen_k = [0] * (self.k_max + 1)
+        self.accepted_k = [0] * (self.k_max + 1)
+
+    @property
+    def verified_at(self) -> list[int]:
+        """[k_max] verifications per draft position: request-steps that verified > j."""
+        return _tail_sums(self.chosen_k)
+
+    @property
+    def accepted_at(self) -> list[int]:
+        """[k_max] acceptances per draft position: request-steps that accepted > j."""
+        return _tail_sums(self.accepted_k)
 
     @property
     def acceptance_rate(self) -> float:
-        """accepted / proposed (DESIGN.md section 8)."""
+        """accepted / proposed (docs/design.md sec. 11)."""
         return self.accepted / self.proposed if self.proposed else 0.0
 
     @property
@@ -60,21 +70,20 @@ class EngineStats:
         """1 + accepted / verify steps (bonus token included), as SGLang reports it."""
         return 1.0 + self.accepted / self.verify_steps if self.verify_steps else 1.0
 
-    def record_verify(self, k: int, accepted: int) -> None:
-        self.chosen_k[min(k, self.k_max)] += 1
-        if k == 0:
-            return
-        self.verify_steps += 1
-        self.verified += k
-        self.accepted += accepted
-        for j in range(k):
-            self.verified_at[j] += 1
-            if j < accepted:
-                self.accepted_at[j] += 1
-
     def snapshot(self) -> dict:
-        d = {k: v for k, v in vars(self).items() if k != "history"}
+        d = {k: v for k, v in vars(self).items() if k not in ("history", "accepted_k")}
+        d["verified_at"] = self.verified_at
+        d["accepted_at"] = self.accepted_at
         d["acceptance_rate"] = self.acceptance_rate
         d["verified_acceptance_rate"] = self.verified_acceptance_rate
         d["mean_accepted_length"] = self.mean_accepted_length
         return d
+
+
+def _tail_sums(hist: list[int]) -> list[int]:
+    """[len(hist) - 1] out[j] = sum(hist[j + 1:])."""
+    out, total = [0] * (len(hist) - 1), 0
+    for j in range(len(hist) - 1, 0, -1):
+        total += hist[j]
+        out[j - 1] = total
+    return out

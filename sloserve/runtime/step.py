@@ -1,19 +1,17 @@
-"""One engine step, executed: schedule -> draft -> one ragged target forward -> accept -> commit.
+"""One engine step, top-down in `StepRunner.step`: schedule -> plan -> draft rounds ->
+verify lengths -> one ragged target forward -> accept -> commit -> books and feedback.
 
-Invariant after every step, for every running request that is decoding:
-    kv_len == num_tokens - 1  and  draft_kv_len <= num_tokens - 1,
-and its blocks cover exactly the positions it may still need (rejected tail blocks freed).
+The step's books (request lengths, KV rollback, counters) are step_books.py's, shared with
+the simulator; the speculation decisions are the policy's plan (sloserve.speculation).
 """
 
 from __future__ import annotations
 
-import math
 import time
 
 import numpy as np
 import torch
 
-from sloserve.drafter.policy import VerifyOutcome
 from sloserve.runtime.batch import Segment
 from sloserve.runtime.config import EngineConfig
 from sloserve.runtime.detokenizer import Detokenizer, DetokState, find_stop, partial_stop_len
@@ -21,9 +19,24 @@ from sloserve.runtime.engine_setup import EngineParts
 from sloserve.runtime.request import FinishReason, Request, Status
 from sloserve.runtime.sampler import draw, processed_probs
 from sloserve.runtime.scheduler import Scheduler
-from sloserve.runtime.speculative import Drafter, DraftResult, run_drafting, step_info
-from sloserve.runtime.stats import EngineStats, StepRecord
-from sloserve.verifier.acceptance import greedy_accept, speculative_accept
+from sloserve.runtime.spec.acceptance import greedy_accept, speculative_accept
+from sloserve.runtime.spec.draft_sources import ModelDrafter, NgramDrafter
+from sloserve.runtime.spec.rounds import (
+    DraftResult,
+    choose_verify_lengths,
+    draft_rounds,
+    step_info,
+)
+from sloserve.runtime.stats import EngineStats
+from sloserve.runtime.step_books import (
+    account_step,
+    advance_prefills,
+    binding_tpot,
+    prefill_load,
+    settle_kv,
+    take_draft_prefill,
+)
+from sloserve.speculation import SpecPlan, VerifyOutcome
 
 Touched = tuple[Request, list[int], str]  # request, new token ids, new text
 
@@ -36,18 +49,17 @@ class StepRunner:
         self.scheduler = Scheduler(cfg.scheduler, parts.allocator)
         self.detok = Detokenizer(parts.tokenizer)
         self.policy = parts.policy
-        self.drafter: Drafter | None = None
+        self.drafter: ModelDrafter | NgramDrafter | None = None
         if cfg.drafter == "model" and parts.draft is not None:
-            self.drafter = Drafter(parts.draft)
+            self.drafter = ModelDrafter(parts.draft)
         elif cfg.drafter == "ngram":
-            self.drafter = Drafter(None)
+            self.drafter = NgramDrafter()
         eos = set(parts.target.cfg.eos_token_ids)
         if getattr(parts.tokenizer, "eos_token_id", None) is not None:
             eos.add(parts.tokenizer.eos_token_id)
         self.eos = frozenset(eos)
         self._detok: dict[str, DetokState] = {}
         self._finished_outside: list[Request] = []
-        self._verify_time = 0.0  # seconds of the current step's target forward
 
     @property
     def speculative(self) -> bool:
@@ -82,66 +94,72 @@ class StepRunner:
     # ----- the step
     def step(self) -> list[Touched]:
         t0 = time.perf_counter()
+        # 1. schedule: prefill chunks and decodes; decodes get KV room for k_max drafts
         sched = self.scheduler.schedule(self.cfg.k_max if self.speculative else 0)
         self.stats.preemptions += len(sched.preempted)
         if sched.empty:
             return []
-        segs = [Segment(r.blocks, r.kv_len, r.all_ids[r.kv_len : r.kv_len + n]) for r, n in sched.prefills]
-        decodes = sched.decodes
-        draft = self._draft(decodes, sched) if decodes and self.speculative else None
+        prefills, decodes = sched.prefills, sched.decodes
+        # 2-4. plan, draft rounds, verify lengths (decodes only, when speculating)
+        plan: SpecPlan | None = None
+        draft: DraftResult | None = None
+        if decodes and self.speculative:
+            assert self.drafter is not None
+            info = step_info(decodes, self.cfg.k_max, self.cfg.tpot_slo, *prefill_load(prefills))
+            t_plan = time.perf_counter()
+            plan = self.policy.plan(info)
+            planning = time.perf_counter() - t_plan
+            draft = draft_rounds(self.drafter, plan, decodes, self.cfg.k_max)
+            choose_verify_lengths(plan, draft)
+            draft.draft_time += planning  # the drafting loop as timed: planning included
+            draft.policy_time += planning
+        # 5. one ragged target forward: prefill chunks, then per decode its last token and
+        # the k_r drafts it verifies (logits for every query token of a verify segment)
+        segs = [Segment(r.blocks, r.kv_len, r.all_ids[r.kv_len : r.kv_len + n])
+                for r, n in prefills]
         for i, r in enumerate(decodes):
             k = int(draft.k[i]) if draft is not None else 0
-            extra = draft.tokens[i, :k].tolist() if k else []
+            extra = draft.tokens[i, :k].tolist() if draft is not None and k else []
             segs.append(Segment(r.blocks, r.kv_len, [r.all_ids[-1], *extra], all_logits=k > 0))
         t_fwd = time.perf_counter()
         logits, batch = self.parts.target.forward(segs)
         argmax = logits.argmax(dim=-1).tolist()  # (waits for the device)
-        self._verify_time = time.perf_counter() - t_fwd
-        if sched.prefills and self.speculative and self.drafter.kind == "model":
-            self._prefill_draft(sched.prefills)
+        verify_time = time.perf_counter() - t_fwd
+        if prefills and self.speculative and isinstance(self.drafter, ModelDrafter):
+            self.drafter.read_prefill([Segment(r.blocks, start, r.all_ids[start:end])
+                                       for r, start, end in take_draft_prefill(prefills)])
+        # 6. accept and commit: a completed prompt's first token; each decode's accepted
+        # drafts and one token from the target
         touched: list[Touched] = []
-        for i, (r, n) in enumerate(sched.prefills):
-            r.kv_len += n
-            if r.kv_len == r.num_tokens:  # prompt (or recompute) done: first new token
-                row = batch.logits_indptr[i]
-                touched.append(self._commit(r, [self._sample(r, logits[row], argmax[row])]))
-        accepted = np.zeros(len(decodes), dtype=np.int64)
-        base = len(sched.prefills)
+        for i in advance_prefills(prefills):
+            r, row = prefills[i][0], batch.logits_indptr[i]
+            touched.append(self._commit(r, [self._sample(r, logits[row], argmax[row])]))
+        accepted = [0] * len(decodes)
+        base = len(prefills)
         for i, r in enumerate(decodes):
             lo, hi = batch.logits_indptr[base + i], batch.logits_indptr[base + i + 1]
             emitted = self._accept(r, i, draft, logits[lo:hi], argmax[lo:hi])
             accepted[i] = len(emitted) - 1
             touched.append(self._commit(r, emitted))
-        self._account(decodes, draft, accepted, time.perf_counter() - t0, len(sched.prefills))
+        # 7. books and feedback
+        step_time = time.perf_counter() - t0
+        account_step(self.stats, decodes, draft, accepted, step_time, len(prefills),
+                     binding_tpot(decodes, self.cfg.tpot_slo), time.time())
+        if plan is not None and draft is not None:
+            self._feedback(plan, draft, accepted, step_time, verify_time)
         return touched
 
-    def _prefill_draft(self, prefills) -> None:
-        """The draft model reads each prefill chunk in the same step as the target, so a
-        request starts decoding with its draft cache caught up (draft lag 0): otherwise its
-        first draft forward would carry the whole prompt and the policy would price
-        speculation for it out of reach."""
-        segs, reqs = [], []
-        for r, n in prefills:
-            end = r.kv_len + n  # kv_len is still the chunk's start here
-            if r.draft_kv_len < end:
-                segs.append(Segment(r.blocks, r.draft_kv_len, r.all_ids[r.draft_kv_len : end]))
-                reqs.append((r, end))
-        if segs:
-            self.drafter.runner.forward(segs)
-            for r, end in reqs:
-                r.draft_kv_len = end
-
-    def _draft(self, decodes: list[Request], sched) -> DraftResult:
-        info = step_info(
-            decodes, self.cfg.k_max, self.cfg.tpot_slo,
-            prefill_tokens=sum(n for _, n in sched.prefills),
-            prefill_context=sum(r.kv_len + n for r, n in sched.prefills),
-        )
-        res = run_drafting(self.drafter, self.policy, decodes, info)
-        self.stats.policy_time_total += res.policy_time
-        self.stats.draft_forwards += res.forwards if self.drafter.kind == "model" else 0
-        self._step_info = info
-        return res
+    def _feedback(self, plan: SpecPlan, draft: DraftResult, accepted: list[int],
+                  step_time: float, verify_time: float) -> None:
+        s = self.stats
+        s.draft_forwards += draft.forwards if isinstance(self.drafter, ModelDrafter) else 0
+        t = time.perf_counter()
+        self.policy.observe(plan, VerifyOutcome(
+            drafted=draft.drafted.copy(), verified=draft.k.copy(),
+            accepted=np.array(accepted, dtype=np.int64), confidences=draft.confidences,
+            step_time=step_time, draft_time=draft.draft_time, verify_time=verify_time,
+        ))
+        s.policy_time_total += draft.policy_time + time.perf_counter() - t
 
     def _sample(self, r: Request, row: torch.Tensor, argmax: int) -> int:
         if r.params.greedy:
@@ -179,9 +197,7 @@ class StepRunner:
                 break
         self.stats.generated_tokens += len(new_ids)
         if reason is None and r.status is Status.RUNNING:
-            r.kv_len = r.num_tokens - 1
-            r.draft_kv_len = min(r.draft_kv_len, r.num_tokens - 1)
-            self.scheduler.trim(r, r.num_tokens)
+            settle_kv(r, self.scheduler)
         if reason is not None:
             if not isinstance(r.matched_stop, str):  # no stop string cut the text: flush
                 self.detok.flush(st)
@@ -207,44 +223,6 @@ class StepRunner:
             r.output_text = r.output_text[: hit[0]]
             r.matched_stop = hit[1]
             return FinishReason.STOP
-        if len(r.output_ids) >= p.max_new_tokens:
-            return FinishReason.LENGTH
-        if r.num_tokens >= self.parts.target.cfg.max_position_embeddings:
+        if r.room(self.parts.target.cfg.max_position_embeddings) <= 0:
             return FinishReason.LENGTH
         return None
-
-    def _account(self, decodes, draft: DraftResult | None, accepted, step_time, n_prefill) -> None:
-        s = self.stats
-        s.steps += 1
-        s.step_time_total += step_time
-        ks = draft.k if draft is not None else np.zeros(len(decodes), dtype=np.int64)
-        for i, r in enumerate(decodes):
-            k, a = int(ks[i]), int(accepted[i])
-            s.record_verify(k, a)
-            if draft is not None:
-                proposed = int(draft.drafted[i])
-                s.proposed += proposed
-                r.spec.proposed += proposed
-            if k:
-                r.spec.verify_steps += 1
-                r.spec.verified += k
-                r.spec.accepted += a
-        if draft is not None and ks.any():
-            s.spec_steps += 1
-        slo = min((r.params.tpot_slo or self.cfg.tpot_slo or math.inf) for r in decodes) if decodes else math.inf
-        if step_time > slo:
-            s.slo_step_misses += 1
-        drafted = draft.drafted if draft else np.zeros(0, dtype=np.int64)
-        s.history.append(StepRecord(
-            time.time(), len(decodes) + n_prefill, len(decodes),
-            float(drafted.mean()) if len(drafted) else 0.0, float(ks.mean()) if len(ks) else 0.0,
-            step_time,
-        ))
-        if draft is not None:
-            t = time.perf_counter()
-            self.policy.observe(self._step_info, VerifyOutcome(
-                drafted=drafted.copy(), verified=ks.copy(), accepted=accepted,
-                confidences=draft.confidences, step_time=step_time, draft_time=draft.draft_time,
-                verify_time=self._verify_time,
-            ))
-            s.policy_time_total += time.perf_counter() - t

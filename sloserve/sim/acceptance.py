@@ -1,6 +1,6 @@
 """The simulator's acceptance process: draft confidences and verify outcomes without models.
 
-Model (greedy verification; DESIGN.md section 3). Under greedy decoding the draft model's
+Model (greedy verification; docs/design.md sec. 3). Under greedy decoding the draft model's
 proposal for output position q, given a correct prefix, is fixed; so is whether the target
 agrees. The simulator therefore draws, once per request, a sequence over output positions:
 

@@ -1,5 +1,5 @@
-"""The simulator's drafter: the `Drafter` interface of sloserve.runtime.speculative without a
-model. `run_drafting` calls it exactly as it calls the model drafter.
+"""The simulator's draft source (sloserve.runtime.spec.rounds.DraftSource) without a model:
+`draft_rounds` calls it exactly as it calls the engine's draft model.
 
 Each call is one draft forward over the requests still drafting. It proposes the dummy token
 0 with the confidence the acceptance process drew for that output position, advances
@@ -21,13 +21,13 @@ import numpy as np
 
 from sloserve.estimator.cost_model import ForwardCost
 from sloserve.runtime.request import Request
-from sloserve.runtime.speculative import DraftRound
+from sloserve.runtime.spec.rounds import DraftRound
 
 DUMMY_TOKEN = 0
 
 
 class SimDrafter:
-    """Stochastic stand-in for `Drafter`: same `.kind`, `.step(reqs, drafts)`, `.release`."""
+    """Stochastic stand-in for the engine's ModelDrafter / NgramDrafter."""
 
     def __init__(self, cost: ForwardCost, conf: Mapping[str, list[float]], kind: str = "model"):
         if kind not in ("model", "ngram"):

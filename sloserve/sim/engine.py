@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sloserve.drafter.registry import make_policy
 from sloserve.estimator.cost_model import CostModel, ForwardCost
+from sloserve.policies.registry import make_policy
 from sloserve.runtime.config import EngineConfig
 from sloserve.runtime.request import InvalidRequest, Request, SamplingParams
 from sloserve.runtime.stats import EngineStats
@@ -101,7 +101,6 @@ class Simulator:
         finally:
             if enabled:
                 gc.enable()
-        self.runner.finalize_stats()
         return outcomes
 
     def _run(self, requests: Sequence[SimRequest],

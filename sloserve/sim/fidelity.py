@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from sloserve.bench.common import machine_info, ordinary_prompts, print_table, write_json
-from sloserve.profiler.profile_file import read_profile
+from sloserve.estimator.profile_file import read_profile
 from sloserve.replay.metrics import SloConfig, summarize_run
 from sloserve.replay.records import ReplayRequest
 from sloserve.replay.runner import run_policies
@@ -46,7 +46,7 @@ DEFAULT_ACCEPTANCE = REPO / "out" / "bench_builtin_pair.json"
 
 def find_or_measure_profile(cfg: EngineConfig) -> str:
     """The built-in pair's profile on this device; profiles first if there is none."""
-    from sloserve.profiler.loading import find_matching
+    from sloserve.estimator.profile_lookup import find_matching
     from sloserve.runtime.config import resolve
     from sloserve.runtime.models.builtin import ensure_builtin_pair
 

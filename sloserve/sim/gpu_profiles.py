@@ -6,7 +6,7 @@ writes one profile file (the profiler's schema, readable by `read_profile`) per 
 each with a top-level "source" object: the published numbers, the assumptions and the
 derivation. `read_profile` ignores the extra key.
 
-Derivation (DESIGN.md section 2, T = a N_ctx + b N_q + c, N_ctx counting query tokens):
+Derivation (docs/design.md sec. 2, T = a N_ctx + b N_q + c, N_ctx counting query tokens):
     a = KV bytes per token / HBM bandwidth           (attention streams the KV cache)
     b = 2 * params FLOP per token / (peak * eff)     (compute per query token)
     c = weights bytes / HBM bandwidth / eff_mem      (or solved from a measured step time)
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sloserve.estimator.cost_model import ForwardCost
-from sloserve.profiler.profile_file import ModelProfile, Profile, profile_filename, to_json
+from sloserve.estimator.profile_file import ModelProfile, Profile, profile_filename, to_json
 
 LLAMA2_7B = {"params": 6.74e9, "layers": 32, "kv_dim": 4096}  # 32 KV heads x 128 (MHA)
 LLAMA_160M = {"params": 0.162e9, "layers": 12, "kv_dim": 768}  # JackFram/llama-160m shape

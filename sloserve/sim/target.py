@@ -146,7 +146,7 @@ def make_sim_target(cfg: EngineConfig, profile: str | Path, acceptance: str | Pa
     """The sim target for `cfg` (its policy, k_max, KV size, scheduler) with the cost model of
     the profile file and the acceptance process of `acceptance` (default: the built-in
     pair's calibration)."""
-    from sloserve.profiler.profile_file import read_profile
+    from sloserve.estimator.profile_file import read_profile
 
     cost = read_profile(profile).cost_model()
     model = load_acceptance(acceptance) if acceptance else None

@@ -1,4 +1,4 @@
-"""Acceptance model: calibration, chain probabilities, expected tokens (DESIGN sec. 3)."""
+"""Acceptance model: calibration, chain probabilities, expected tokens (docs/design.md sec. 3)."""
 
 from __future__ import annotations
 

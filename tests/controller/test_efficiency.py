@@ -1,4 +1,4 @@
-"""Efficiency E and the SLO rule (DESIGN sec. 4; issue #4 acceptance item 1)."""
+"""Efficiency E and the SLO rule (docs/design.md sec. 4; issue #4 acceptance item 1)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,6 @@ import numpy as np
 import pytest
 
 from sloserve.bench.synthetic import cpu_cost_model, make_step
-from sloserve.drafter.goodput import GoodputPolicy
-from sloserve.drafter.specserve import SpecServePolicy
 from sloserve.estimator.acceptance import chain_probs
 from sloserve.estimator.cost_model import CostModel, ForwardCost
 from sloserve.estimator.efficiency import (
@@ -18,6 +16,8 @@ from sloserve.estimator.efficiency import (
     uniform_efficiency,
 )
 from sloserve.estimator.step_time import StepTimer
+from sloserve.policies.goodput import GoodputPolicy
+from sloserve.policies.specserve import SpecServePolicy
 
 COST = cpu_cost_model()
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128]
@@ -66,7 +66,8 @@ def specserve_drafts(
     no overrun guard (both tested in test_policies.py)."""
     policy = SpecServePolicy(cost, 8, prior=conf, start_margin=0.0, initial_overrun=1.0)
     step = make_step(B, context=ctx, slo=slo)
-    drafting = policy.start(step)
+    plan = policy.plan(step)
+    drafting = plan.drafting
     conf_m = np.full((B, 8), np.nan)
     drafted = np.zeros(B, dtype=int)
     j = 0
@@ -74,7 +75,7 @@ def specserve_drafts(
         conf_m[drafting, j] = conf
         drafted += drafting
         j += 1
-        drafting = policy.extend(step, conf_m[:, :j], drafting)
+        drafting = plan.extend(conf_m[:, :j], drafting)
     return drafted
 
 
@@ -106,7 +107,7 @@ def test_chosen_k_falls_with_context(choose):
 
 @pytest.mark.parametrize("choose", [goodput_k, specserve_k])
 def test_context_direction_follows_the_kv_cost_ratio(choose):
-    """With DESIGN's verify cost (context sum_r n_r, independent of k) the target's KV reads
+    """With the verify cost of docs/design.md sec. 2 (context sum_r n_r, independent of k) the target's KV reads
     are a per-step cost that speculation amortises; with a light draft (a_d = a_t / 10),
     long contexts therefore favour *more* speculation. The direction flips when the draft's
     KV reads dominate (test above)."""

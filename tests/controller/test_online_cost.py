@@ -1,7 +1,7 @@
-"""Online cost correction (estimator/online_cost.py) and the adaptive drafter's use of it:
-the fit recovers known scales, and a profile that prices speculation too low stops
-misleading the policy once measured steps say so. Also the drafter's amortized catch-up and
-its measured-rate rule (drafter and verifier)."""
+"""Online cost correction (estimator/online_cost.py) and SpecServe's use of it: the fit
+recovers known scales, and a profile that prices speculation too low stops misleading the
+policy once measured steps say so. Also SpecServe's amortized catch-up and its E without a
+step's prefill seconds."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from sloserve.bench.synthetic import cpu_cost_model, make_step
-from sloserve.drafter.policy import VerifyOutcome
-from sloserve.drafter.specserve import SpecServePolicy
 from sloserve.estimator.online_cost import StepCostCorrection
 from sloserve.estimator.step_time import StepTimer, draft_time
+from sloserve.policies.specserve import SpecServePolicy
+from sloserve.speculation import VerifyOutcome
 
 COST = cpu_cost_model()
 
@@ -22,26 +22,25 @@ COST = cpu_cost_model()
 def test_correction_recovers_known_scales():
     rng = np.random.default_rng(0)
     c = StepCostCorrection()
-    assert c.theta == (1.0, 1.0, 1.0)  # starts at the profile
+    assert c.theta == (1.0, 1.0)  # starts at the profile
     for _ in range(300):
         plain = rng.uniform(0.02, 0.08)
         spec = rng.random() < 0.8
         draft = rng.uniform(0.002, 0.02) if spec else 0.0
         verify = rng.uniform(0.0, 0.02) if spec else 0.0
         noise = rng.normal(1.0, 0.03)
-        c.observe(plain, draft, verify, (0.9 * plain + 1.3 * draft + 1.6 * verify) * noise,
+        c.observe(plain + verify, draft, (1.2 * (plain + verify) + 1.3 * draft) * noise,
                   1.3 * draft * noise)
-    assert c.theta_plain == pytest.approx(0.9, rel=0.03)
+    assert c.theta_target == pytest.approx(1.2, rel=0.03)
     assert c.theta_draft == pytest.approx(1.3, rel=0.03)
-    assert c.theta_verify == pytest.approx(1.6, rel=0.05)
 
 
 def test_a_scale_without_evidence_stays_at_the_profile():
     c = StepCostCorrection()
     for _ in range(100):  # speculation off: only plain steps, 20% slower than profiled
-        c.observe(0.05, 0.0, 0.0, 0.06)
-    assert c.theta_plain == pytest.approx(1.2, rel=0.01)
-    assert c.theta_draft == c.theta_verify == pytest.approx(1.0)
+        c.observe(0.05, 0.0, 0.06)
+    assert c.theta_target == pytest.approx(1.2, rel=0.01)
+    assert c.theta_draft == pytest.approx(1.0)
 
 
 def test_scales_return_to_the_profile_once_their_evidence_stops():
@@ -51,54 +50,43 @@ def test_scales_return_to_the_profile_once_their_evidence_stops():
     c = StepCostCorrection()
     for _ in range(300):
         plain, draft, verify = rng.uniform(0.02, 0.08), rng.uniform(0.002, 0.02), rng.uniform(0.0, 0.02)
-        c.observe(plain, draft, verify, plain + 1.5 * draft + 1.8 * verify, 1.5 * draft)
+        c.observe(plain + verify, draft, 1.4 * (plain + verify) + 1.5 * draft, 1.5 * draft)
     assert c.theta_draft == pytest.approx(1.5, rel=0.03)
-    assert c.theta_verify == pytest.approx(1.8, rel=0.05)
-    for _ in range(600):  # speculation off
-        c.observe(0.05, 0.0, 0.0, 0.05)
+    assert c.theta_target == pytest.approx(1.4, rel=0.03)
+    for _ in range(600):  # speculation off, plain steps as profiled
+        c.observe(0.05, 0.0, 0.05)
     assert c.theta_draft == pytest.approx(1.0, abs=0.05)
-    assert c.theta_verify == pytest.approx(1.0, abs=0.05)
-    assert c.theta_plain == pytest.approx(1.0, abs=0.02)
+    assert c.theta_target == pytest.approx(1.0, abs=0.02)
 
 
 def test_unmeasured_drafting_is_taken_at_its_current_scale():
     c = StepCostCorrection()
     for _ in range(200):  # no separate draft timing (measured_draft None)
-        c.observe(0.05, 0.01, 0.01, 0.05 + 0.01 + 1.5 * 0.01)
+        c.observe(0.06, 0.01, 0.05 + 0.01 + 1.5 * 0.01)
     assert c.theta_draft == 1.0
-    assert 0.05 * c.theta_plain + 0.01 * c.theta_verify == pytest.approx(0.065, rel=0.01)
+    assert 0.06 * c.theta_target == pytest.approx(0.065, rel=0.01)
 
 
 def test_an_outlier_step_is_clipped():
     c = StepCostCorrection()
     for _ in range(50):
-        c.observe(0.05, 0.01, 0.01, 0.07, 0.01)
-    c.observe(0.05, 0.01, 0.01, 5.0, 3.0)  # a pause 70x (GC, preemption) counts as 2x at most
+        c.observe(0.06, 0.01, 0.07, 0.01)
+    c.observe(0.06, 0.01, 5.0, 3.0)  # a pause 70x (GC, preemption) counts as 2x at most
     assert max(c.theta) < 1.2
 
 
 def _plan(policy, step, conf):
-    drafting = policy.start(step)
+    """(drafted, verified, plan) of one step in engine order."""
+    plan = policy.plan(step)
+    drafting = plan.drafting
     drafted = np.zeros(step.batch_size, dtype=np.int64)
     j = 0
     while drafting.any() and j < step.k_max:
         drafted += drafting
         j += 1
-        drafting = policy.extend(step, conf[:, :j], drafting)
-    k = policy.verify_lengths(step, conf[:, : max(j, 1)], drafted) if j else drafted
-    return drafted, np.asarray(k)
-
-
-def test_tied_correction_fits_one_scale_for_plain_and_verify():
-    rng = np.random.default_rng(1)
-    c = StepCostCorrection(tie_verify=True)
-    for _ in range(300):
-        plain, draft, verify = rng.uniform(0.02, 0.08), rng.uniform(0.002, 0.02), rng.uniform(0, 0.02)
-        noise = rng.normal(1.0, 0.03)
-        c.observe(plain, draft, verify, (1.2 * (plain + verify) + 1.4 * draft) * noise,
-                  1.4 * draft * noise)
-    assert c.theta_plain == c.theta_verify == pytest.approx(1.2, rel=0.03)
-    assert c.theta_draft == pytest.approx(1.4, rel=0.03)
+        drafting = plan.extend(conf[:, :j], drafting)
+    k = plan.verify_lengths(conf[:, : max(j, 1)], drafted) if j else drafted
+    return drafted, np.asarray(k), plan
 
 
 def test_policy_drafts_less_once_speculation_measures_dearer_than_profiled():
@@ -117,20 +105,21 @@ def test_policy_drafts_less_once_speculation_measures_dearer_than_profiled():
     for i in range(150):
         for name, policy in (("corrected", corrected), ("profile", profile_only)):
             step = make_step(B, context=512 if i == 0 else contexts[i])
-            drafted, k = _plan(policy, step, conf if i == 0 else np.full((B, 8), means[i]))
+            drafted, k, plan = _plan(policy, step,
+                                     conf if i == 0 else np.full((B, 8), means[i]))
             if i == 0:
                 first[name] = int(k.sum())
-            truth = StepTimer(COST, step, lag_cap=policy.drafter.lag_cap)
+            truth = StepTimer(COST, step, lag_cap=policy.options.lag_cap)
             drafting = draft_time(COST.draft, truth.n, truth.lag, drafted)
             verify = truth.plan(drafted, k) - truth.plain - drafting
             measured = 1.1 * (truth.plain + verify) + 1.9 * drafting
-            policy.observe(step, VerifyOutcome(
+            policy.observe(plan, VerifyOutcome(
                 drafted=drafted, verified=k, accepted=np.minimum(k, 2),
                 confidences=conf[:, : max(int(drafted.max()), 1)], step_time=measured,
                 draft_time=1.9 * drafting))
     assert first["corrected"] == first["profile"] > 0  # same start: the profile
-    theta_plain, theta_draft, theta_verify = corrected.drafter.theta
-    assert theta_plain == theta_verify == pytest.approx(1.1, rel=0.03)
+    theta_target, theta_draft = corrected.correction.theta
+    assert theta_target == pytest.approx(1.1, rel=0.03)
     assert theta_draft == pytest.approx(1.9, rel=0.02)
     # confident drafts at a long context: long plans, where the draft's price decides
     sure = np.full((B, 8), 0.9)
@@ -144,48 +133,35 @@ def test_a_paused_request_resumes_priced_like_one_that_drafted_last_step():
     to the step that resumes (they would grow a token per paused step and make every pause
     permanent)."""
     B = 16
-    after_pause = SpecServePolicy(COST, 8, prior=0.8).start(
-        make_step(B, context=512, lag=np.full(B, 40)))
-    steady = SpecServePolicy(COST, 8, prior=0.8).start(make_step(B, context=512, lag=np.ones(B)))
+    after_pause = SpecServePolicy(COST, 8, prior=0.8).plan(
+        make_step(B, context=512, lag=np.full(B, 40))).drafting
+    steady = SpecServePolicy(COST, 8, prior=0.8).plan(
+        make_step(B, context=512, lag=np.ones(B))).drafting
     np.testing.assert_array_equal(after_pause, steady)
     assert steady.any()
-    real_price = SpecServePolicy(COST, 8, prior=0.8, lag_cap=None).start(
-        make_step(B, context=512, lag=np.full(B, 40)))
+    real_price = SpecServePolicy(COST, 8, prior=0.8, lag_cap=None).plan(
+        make_step(B, context=512, lag=np.full(B, 40))).drafting
     assert real_price.sum() < steady.sum()  # what the cap is for
     # under a binding SLO the step's real time counts: the catch-up is priced in full
     slo = np.full(B, 10.0)
-    with_slo = SpecServePolicy(COST, 8, prior=0.8).start(
-        make_step(B, context=512, lag=np.full(B, 40), slo=slo))
-    real_with_slo = SpecServePolicy(COST, 8, prior=0.8, lag_cap=None).start(
-        make_step(B, context=512, lag=np.full(B, 40), slo=slo))
+    with_slo = SpecServePolicy(COST, 8, prior=0.8).plan(
+        make_step(B, context=512, lag=np.full(B, 40), slo=slo)).drafting
+    real_with_slo = SpecServePolicy(COST, 8, prior=0.8, lag_cap=None).plan(
+        make_step(B, context=512, lag=np.full(B, 40), slo=slo)).drafting
     np.testing.assert_array_equal(with_slo, real_with_slo)
     assert with_slo.sum() < steady.sum()
 
 
-def _measured_rate(policy, B, rate_steps=20):
-    """Feed the policy steps whose measured throughput is known: B + accepted tokens over
-    step_time each."""
-    for _ in range(rate_steps):
-        step = make_step(B, context=512)
-        drafted, k = _plan(policy, step, np.full((B, 8), 0.8))
-        policy.observe(step, VerifyOutcome(
-            drafted=drafted, verified=k, accepted=np.minimum(k, 1),
-            confidences=np.full((B, max(int(drafted.max()), 1)), 0.8),
-            step_time=StepTimer(COST, step).plan(drafted, k), draft_time=0.0))
-
-
-@pytest.mark.parametrize("rule", ["rate", "decode-only E", "paper E"])
+@pytest.mark.parametrize("rule", ["decode-only E", "paper E"])
 def test_prefill_chunks_change_the_plan_only_under_the_papers_rule(rule):
-    """A draft token is worth the same whether or not the step also carries a prefill chunk,
-    with the long-run rate and with the default E that leaves the prefill's seconds out; the
-    step's own E over all its seconds (the paper's rule, score_prefill=True) drafts more
-    beside a prefill, whose time makes the step's E look low."""
+    """A draft token is worth the same whether or not the step also carries a prefill chunk
+    with the default E that leaves the prefill's seconds out; the step's own E over all its
+    seconds (the paper's rule, score_prefill=True) drafts more beside a prefill, whose time
+    makes the step's E look low."""
     B = 16
     conf = np.full((B, 8), 0.7)
-    policy = SpecServePolicy(COST, 8, prior=0.7, long_run_rate=rule == "rate",
-                             score_prefill=rule == "paper E", correct_cost=False)
-    _measured_rate(policy, B)
-    assert (policy.drafter.rate is not None) == (rule == "rate")
+    policy = SpecServePolicy(COST, 8, prior=0.7, score_prefill=rule == "paper E",
+                             correct_cost=False)
     plans = {}
     for prefill in (0, 2048):
         step = make_step(B, context=512)
@@ -216,16 +192,16 @@ def test_measured_target_forward_gives_its_scale_and_the_engine_overhead():
     the step (the engine's own work) is learned as the overhead, so that work does not
     raise the price of verified tokens."""
     rng = np.random.default_rng(2)
-    c = StepCostCorrection(tie_verify=True)
+    c = StepCostCorrection()
     assert c.overhead is None
     for _ in range(400):
         plain, draft, verify = rng.uniform(0.01, 0.03), rng.uniform(0.002, 0.01), rng.uniform(0, 0.02)
         noise = rng.normal(1.0, 0.02)
         target = 0.8 * (plain + verify) * noise
         m_draft = 1.3 * draft * noise
-        c.observe(plain, draft, verify, target + m_draft + 0.004, m_draft,
+        c.observe(plain + verify, draft, target + m_draft + 0.004, m_draft,
                   measured_target=target, overhead=0.001)
-    assert c.theta_plain == c.theta_verify == pytest.approx(0.8, rel=0.02)
+    assert c.theta_target == pytest.approx(0.8, rel=0.02)
     assert c.theta_draft == pytest.approx(1.3, rel=0.02)
     assert c.overhead == pytest.approx(0.004, rel=0.02)
 
@@ -242,32 +218,16 @@ def test_the_drafter_prices_the_measured_overhead_outside_verify_tokens():
         policy = SpecServePolicy(COST, 8, prior=0.7)
         for _ in range(200):
             step = make_step(B, context=256)
-            drafted, k = _plan(policy, step, conf)
-            truth = StepTimer(COST, step, lag_cap=policy.drafter.lag_cap)
+            drafted, k, plan = _plan(policy, step, conf)
+            truth = StepTimer(COST, step, lag_cap=policy.options.lag_cap)
             drafting = draft_time(COST.draft, truth.n, truth.lag, drafted)
             target = truth.plan(drafted, k) - drafting - COST.overhead
-            policy.observe(step, VerifyOutcome(
+            policy.observe(plan, VerifyOutcome(
                 drafted=drafted, verified=k, accepted=np.minimum(k, 2),
                 confidences=conf[:, : max(int(drafted.max()), 1)],
                 step_time=target + drafting + 0.005, draft_time=drafting,
                 verify_time=target if measured else None))
-        policy.start(make_step(B, context=256))
-        prices[measured] = policy.drafter.cost
+        prices[measured] = policy.plan(make_step(B, context=256)).cost
     assert prices[True].target.b == pytest.approx(COST.target.b, rel=0.02)
     assert prices[True].overhead == pytest.approx(0.005, rel=0.05)
     assert prices[False].target.b > 1.05 * COST.target.b
-
-
-def test_elimination_at_a_rate_keeps_tokens_that_earn_more_than_their_time():
-    from sloserve.verifier.elimination import eliminate_padded
-
-    P = np.array([[0.9, 0.5, 0.2], [0.8, 0.3, np.inf]])  # [B, s], inf past drafted
-    drafted = np.array([3, 2])
-    token_time = 0.001
-    # rate 400 tokens/s: a verified token must earn 0.4 tokens
-    k = eliminate_padded(P, drafted, tokens=4.7, step_time=0.05, token_time=token_time,
-                         slo=np.inf, rate=400.0)
-    np.testing.assert_array_equal(k, [2, 1])
-    k = eliminate_padded(P, drafted, tokens=4.7, step_time=0.05, token_time=token_time,
-                         slo=np.inf, rate=100.0)  # 0.1 tokens: all stay
-    np.testing.assert_array_equal(k, [3, 2])

@@ -8,17 +8,17 @@ import numpy as np
 import pytest
 
 from sloserve.bench.synthetic import SyntheticWorkload, cpu_cost_model, drive_step, make_step
-from sloserve.drafter.goodput import GoodputPolicy
-from sloserve.drafter.hf import HFHeuristicPolicy, HFThresholdPolicy
-from sloserve.drafter.lut import LookupTablePolicy, default_table
-from sloserve.drafter.policy import StepInfo, VerifyOutcome
-from sloserve.drafter.registry import POLICY_NAMES, make_policy
-from sloserve.drafter.sglang_adaptive import EmaStepTracker, SGLangAdaptivePolicy
-from sloserve.drafter.specserve import SpecServePolicy
 from sloserve.estimator.acceptance import chain_probs
 from sloserve.estimator.cost_model import CostModel, ForwardCost
 from sloserve.estimator.efficiency import binding_slo
 from sloserve.estimator.step_time import StepTimer
+from sloserve.policies.goodput import GoodputPolicy
+from sloserve.policies.hf import HFHeuristicPolicy, HFThresholdPolicy
+from sloserve.policies.lut import LookupTablePolicy, default_table
+from sloserve.policies.registry import POLICY_NAMES, make_policy
+from sloserve.policies.sglang_adaptive import EmaStepTracker, SGLangAdaptivePolicy
+from sloserve.policies.specserve import SpecServePolicy
+from sloserve.speculation import SpecPlan, SpecPolicy, StepInfo, VerifyOutcome
 
 COST = cpu_cost_model()
 NGRAM_COST = CostModel(COST.target, ForwardCost.free(), COST.overhead)
@@ -26,33 +26,44 @@ KNEE_COST = CostModel(ForwardCost(COST.target.a, COST.target.b, COST.target.c, q
                       ForwardCost(COST.draft.a, COST.draft.b, COST.draft.c, q0=16.0), COST.overhead)
 
 
-class CheckingPolicy:
-    """Wraps a policy and asserts the contract on every call."""
+class CheckingPlan(SpecPlan):
+    """Wraps a plan and asserts the contract on every call."""
 
-    def __init__(self, policy):
-        self.p = policy
-
-    def start(self, step):
-        d = np.asarray(self.p.start(step))
-        assert d.shape == (step.batch_size,) and d.dtype == bool
-        if not self.p.speculates:
+    def __init__(self, plan, speculates: bool):
+        self.p = plan
+        self.step = plan.step
+        d = np.asarray(plan.drafting)
+        assert d.shape == (plan.step.batch_size,) and d.dtype == bool
+        if not speculates:
             assert not d.any()
-        return d
+        self.drafting = d
 
-    def extend(self, step, conf, drafting):
-        d = np.asarray(self.p.extend(step, conf, drafting))
+    def extend(self, conf, drafting):
+        d = np.asarray(self.p.extend(conf, drafting))
         assert d.shape == drafting.shape and d.dtype == bool
         assert not np.any(d & ~drafting), "extend must return a subset of drafting"
+        if conf.shape[1] >= self.step.k_max:
+            assert not d.any(), "nobody drafts past k_max"
         return d
 
-    def verify_lengths(self, step, conf, drafted):
-        k = np.asarray(self.p.verify_lengths(step, conf, drafted))
+    def verify_lengths(self, conf, drafted):
+        k = np.asarray(self.p.verify_lengths(conf, drafted))
         assert k.shape == drafted.shape and np.issubdtype(k.dtype, np.integer)
         assert np.all((0 <= k) & (k <= drafted))
         return k
 
-    def observe(self, step, outcome):
-        self.p.observe(step, outcome)
+
+class CheckingPolicy(SpecPolicy):
+    """Wraps a policy and hands out checked plans; observe gets the policy's own plan."""
+
+    def __init__(self, policy):
+        self.p = policy
+
+    def plan(self, step):
+        return CheckingPlan(self.p.plan(step), self.p.speculates)
+
+    def observe(self, plan, outcome):
+        self.p.observe(plan.p, outcome)
 
 
 def random_stream(rng, steps: int):
@@ -105,12 +116,12 @@ def test_hf_heuristic_rule():
     policy = HFHeuristicPolicy(k_max=8)
     step = make_step(3)
     np.testing.assert_array_equal(policy.target_lengths(step), [5, 5, 5])
-    policy.start(step)
+    plan = policy.plan(step)
     # all accepted -> +2 (capped at k_max), one rejected -> -1, nothing verified -> unchanged
-    policy.observe(step, outcome([5, 5, 0], [5, 5, 0], [5, 2, 0], s=5))
+    policy.observe(plan, outcome([5, 5, 0], [5, 5, 0], [5, 2, 0], s=5))
     np.testing.assert_array_equal(policy.target_lengths(step), [7, 4, 5])
     for _ in range(6):
-        policy.observe(step, outcome([5, 5, 5], [5, 5, 5], [0, 0, 0]))
+        policy.observe(policy.plan(step), outcome([5, 5, 5], [5, 5, 5], [0, 0, 0]))
     np.testing.assert_array_equal(policy.target_lengths(step), [1, 1, 1])  # floor at 1
     policy.release("r0")
     np.testing.assert_array_equal(policy.target_lengths(step), [5, 1, 1])  # fresh state
@@ -119,12 +130,13 @@ def test_hf_heuristic_rule():
 def test_hf_threshold_stops_after_a_low_confidence_token():
     policy = HFThresholdPolicy(k_max=8)
     step = make_step(3)
-    drafting = policy.start(step)
+    plan = policy.plan(step)
+    drafting = plan.drafting
     assert drafting.all()
     conf = np.array([[0.9], [0.39], [0.4]])
-    np.testing.assert_array_equal(policy.extend(step, conf, drafting), [True, False, True])
+    np.testing.assert_array_equal(plan.extend(conf, drafting), [True, False, True])
     full = np.array([[0.9] * 8, [0.9] * 8, [0.9] * 8])
-    assert not policy.extend(step, full, drafting).any()  # k_max reached
+    assert not plan.extend(full, drafting).any()  # k_max reached
 
 
 def test_lut_lookup_semantics():
@@ -166,9 +178,10 @@ def test_sglang_buckets_by_batch_size():
 def test_goodput_ngram_mode_proposes_max_and_picks_verify_length():
     policy = GoodputPolicy(NGRAM_COST, 6, drafter="ngram", prior=0.6)
     step = make_step(8)
-    assert (policy.start(step) & (policy._target == 6)).all()
+    plan = policy.plan(step)
+    assert (plan.drafting & (plan.target == 6)).all()
     drafted = np.array([6, 2, 0, 4] * 2)
-    k = policy.verify_lengths(step, np.full((8, 6), 0.5), drafted)
+    k = plan.verify_lengths(np.full((8, 6), 0.5), drafted)
     assert np.all(k <= drafted) and 0 < k.max() < 6
     assert np.all(k == np.minimum(drafted, k.max()))  # one uniform verification length
 
@@ -192,8 +205,8 @@ def test_specserve_verifier_trims_but_drafter_only_does_not():
     step = make_step(16)
     conf = np.tile([0.9, 0.8, 0.3, 0.1], (16, 1))
     drafted = np.full(16, 4)
-    full = SpecServePolicy(COST, 8).verify_lengths(step, conf, drafted)
-    only = SpecServePolicy(COST, 8, verifier=False).verify_lengths(step, conf, drafted)
+    full = SpecServePolicy(COST, 8).plan(step).verify_lengths(conf, drafted)
+    only = SpecServePolicy(COST, 8, verifier=False).plan(step).verify_lengths(conf, drafted)
     np.testing.assert_array_equal(only, drafted)
     assert np.all(full < drafted)
 
@@ -203,18 +216,18 @@ def test_specserve_releases_state():
     work = SyntheticWorkload(np.random.default_rng(0))
     step = make_step(4)
     drive_step(policy, step, work, np.full(4, 0.7))
-    assert len(policy.drafter.history) == 4
+    assert len(policy.history) == 4
     for rid in step.request_ids:
         policy.release(rid)
-    assert len(policy.drafter.history) == 0
+    assert len(policy.history) == 0
 
 
 def test_empty_batch():
     step = make_step(0)
     for spec in POLICY_NAMES:
-        p = make_policy(spec, COST, k_max=8)
-        assert p.start(step).shape == (0,)
-        k = p.verify_lengths(step, np.zeros((0, 0)), np.zeros(0, dtype=np.int64))
+        plan = make_policy(spec, COST, k_max=8).plan(step)
+        assert plan.drafting.shape == (0,)
+        k = plan.verify_lengths(np.zeros((0, 0)), np.zeros(0, dtype=np.int64))
         assert k.shape == (0,)
 
 
@@ -236,47 +249,48 @@ def test_specserve_incremental_plan_matches_the_reference(seed, cost):
     mean = rng.uniform(0.3, 0.99, B)
     conf = np.full((B, 8), np.nan)
     drafted = np.zeros(B, dtype=np.int64)
-    drafting = policy.start(step)
+    d = policy.plan(step)
+    drafting = d.drafting
     j = 0
     while drafting.any() and j < 8:
         conf[drafting, j] = work.confidences(mean)[drafting]
         drafted += drafting
         j += 1
-        drafting = policy.extend(step, conf[:, :j], drafting)
-    d = policy.drafter
+        drafting = d.extend(conf[:, :j], drafting)
     # the drafter's catch-up pricing: amortized without a binding SLO, real under one
-    lag_cap = d.lag_cap if binding_slo(step) == np.inf else None
+    lag_cap = policy.options.lag_cap if binding_slo(step) == np.inf else None
     timer = StepTimer(cost, step, lag_cap=lag_cap)
     assert d.time == pytest.approx(timer.plan(drafted, drafted), rel=1e-9)
     P = chain_probs(policy.calibrator(conf[:, : max(j, 1)]))
     assert d.tokens == pytest.approx(B + P.sum(), rel=1e-9)
     if drafted.any():
         assert d.time <= binding_slo(step)
-    assert d.plan_matches(conf[:, : max(j, 1)], drafted)
-    fast = policy.verify_lengths(step, conf[:, : max(j, 1)], drafted)
-    slow = SpecServePolicy(cost, 8, calibrator=policy.calibrator).verify_lengths(
-        step, conf[:, : max(j, 1)], drafted
+    assert d.j_done == j  # every drafted position went through extend
+    fast = d.verify_lengths(conf[:, : max(j, 1)], drafted)
+    slow = SpecServePolicy(cost, 8, calibrator=policy.calibrator).plan(step).verify_lengths(
+        conf[:, : max(j, 1)], drafted
     )
     np.testing.assert_array_equal(fast, slow)
 
 
-def test_specserve_catches_up_when_the_engine_skips_the_last_extend():
-    """sloserve/runtime does not call extend after the k_max-th forward; the verifier must
-    still see that position's real confidence."""
+def test_specserve_sees_the_last_rounds_confidences():
+    """Callers call extend after every draft round, the k_max-th included (it names no one to
+    draft further): the verifier sees that position's real confidence."""
     B, k_max = 4, 3
     step = make_step(B, k_max=k_max)
     policy = SpecServePolicy(cpu_cost_model(), k_max, prior=0.99)
     conf = np.full((B, k_max), 0.99)
-    drafting = policy.start(step)
+    d = policy.plan(step)
+    drafting = d.drafting
     assert drafting.all()
     for j in (1, 2):
-        drafting = policy.extend(step, conf[:, :j], drafting)
+        drafting = d.extend(conf[:, :j], drafting)
     assert drafting.all()  # position 3 planned for everyone
-    conf[:, 2] = 0.01  # ... and it came out hopeless; no extend call follows
+    conf[:, 2] = 0.01  # ... and it came out hopeless
+    assert not d.extend(conf, drafting).any()  # k_max reached: nobody drafts a 4th
     drafted = np.full(B, 3)
-    k = policy.verify_lengths(step, conf, drafted)
-    d = policy.drafter
-    assert d.plan_matches(conf, drafted)
+    k = d.verify_lengths(conf, drafted)
+    assert d.j_done == 3
     assert d.tokens == pytest.approx(B + chain_probs(policy.calibrator(conf)).sum(), rel=1e-9)
     np.testing.assert_array_equal(k, [2, 2, 2, 2])  # the hopeless tail is trimmed
 
@@ -288,18 +302,19 @@ def test_slo_guard_learns_how_much_steps_overrun_the_cost_model():
     slo = 1.4 * timer.uniform(4)[1]  # k = 1 fits the SLO by 40% on the model (guard: 30%)
     step = make_step(8, slo=np.full(8, slo))
     policy = SpecServePolicy(COST, 4, prior=0.95, start_margin=0.0, initial_overrun=1.3)
-    assert policy.start(step).all()
+    plan = policy.plan(step)
+    assert plan.drafting.all()
     ones = np.ones(8, dtype=np.int64)
     predicted = StepTimer(COST, step).plan(ones, ones)
-    policy.observe(step, VerifyOutcome(drafted=ones, verified=ones, accepted=ones,
+    policy.observe(plan, VerifyOutcome(drafted=ones, verified=ones, accepted=ones,
                                        confidences=np.full((8, 1), 0.9),
                                        step_time=1.5 * predicted, draft_time=0.0))
-    assert policy.drafter.slo_scale == pytest.approx(1.5)
+    assert policy.guard.scale == pytest.approx(1.5)
     step = make_step(8, slo=np.full(8, slo))
-    later = policy.start(step).astype(np.int64)
+    later = policy.plan(step).drafting.astype(np.int64)
     assert later.sum() < 8  # the full k = 1 plan no longer fits SLO / 1.5 ...
     assert StepTimer(COST, step).plan(later, later) <= slo / 1.5  # ... a smaller one does
-    assert policy.start(make_step(8)).all()  # no SLO: speculation is still on
+    assert policy.plan(make_step(8)).drafting.all()  # no SLO: speculation is still on
 
 
 def test_slo_guard_assumes_the_worst_until_its_window_has_measured_the_machine():
@@ -312,13 +327,14 @@ def test_slo_guard_assumes_the_worst_until_its_window_has_measured_the_machine()
     zeros = np.zeros(8, dtype=np.int64)
     for i in range(16):
         step = make_step(8, slo=np.full(8, slo))
-        assert not policy.start(step).any(), f"speculated at step {i}, before the window filled"
-        policy.observe(step, VerifyOutcome(drafted=zeros, verified=zeros, accepted=zeros,
+        plan = policy.plan(step)
+        assert not plan.drafting.any(), f"speculated at step {i}, before the window filled"
+        policy.observe(plan, VerifyOutcome(drafted=zeros, verified=zeros, accepted=zeros,
                                            confidences=np.zeros((8, 0)),
                                            step_time=StepTimer(COST, step).plain,
                                            draft_time=0.0))
-    assert policy.drafter.slo_scale == pytest.approx(1.0)
-    assert policy.start(make_step(8, slo=np.full(8, slo))).all()
+    assert policy.guard.scale == pytest.approx(1.0)
+    assert policy.plan(make_step(8, slo=np.full(8, slo))).drafting.all()
 
 
 def test_slo_guard_counts_plain_steps_that_run_long_but_not_prefill_steps():
@@ -329,14 +345,13 @@ def test_slo_guard_counts_plain_steps_that_run_long_but_not_prefill_steps():
     zeros = np.zeros(8, dtype=np.int64)
     step = make_step(8, slo=np.full(8, slo))
     plain = StepTimer(COST, step).plain
-    policy.start(step)
-    policy.observe(step, VerifyOutcome(drafted=zeros, verified=zeros, accepted=zeros,
-                                       confidences=np.zeros((8, 0)),
-                                       step_time=1.6 * plain, draft_time=0.0))
-    assert policy.drafter.slo_scale == pytest.approx(1.6)
+    policy.observe(policy.plan(step), VerifyOutcome(drafted=zeros, verified=zeros,
+                                                    accepted=zeros, confidences=np.zeros((8, 0)),
+                                                    step_time=1.6 * plain, draft_time=0.0))
+    assert policy.guard.scale == pytest.approx(1.6)
     prefill = dataclasses.replace(make_step(8, slo=np.full(8, slo)), prefill_tokens=64)
     fresh = SpecServePolicy(COST, 4, prior=0.95, start_margin=0.0, initial_overrun=1.0)
-    fresh.observe(prefill, VerifyOutcome(drafted=zeros, verified=zeros, accepted=zeros,
-                                         confidences=np.zeros((8, 0)),
-                                         step_time=3.0 * plain, draft_time=0.0))
-    assert fresh.drafter.slo_scale == 1.0
+    fresh.observe(fresh.plan(prefill), VerifyOutcome(drafted=zeros, verified=zeros,
+                                                     accepted=zeros, confidences=np.zeros((8, 0)),
+                                                     step_time=3.0 * plain, draft_time=0.0))
+    assert fresh.guard.scale == 1.0

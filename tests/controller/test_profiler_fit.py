@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 from sloserve.estimator.cost_model import ForwardCost
-from sloserve.profiler.fit import fit_forward_cost, fit_stats
-from sloserve.profiler.profile_file import (
+from sloserve.estimator.profile_file import (
     ModelProfile,
     Profile,
     find_profile,
@@ -18,6 +17,7 @@ from sloserve.profiler.profile_file import (
     read_profile,
     write_profile,
 )
+from sloserve.profiler.fit import fit_forward_cost, fit_stats
 
 TRUE = ForwardCost(a=2.0e-6, b=1.5e-3, c=28e-3)
 
@@ -136,9 +136,9 @@ def test_profile_keeps_knee_and_calibration(tmp_path):
 
 
 def test_calibration_seed_starts_the_map_and_outcomes_take_over():
-    from sloserve.drafter.registry import make_policy
     from sloserve.estimator.acceptance import ConfidenceCalibrator
     from sloserve.estimator.cost_model import CostModel
+    from sloserve.policies.registry import make_policy
 
     g = np.full(16, 0.8)  # this pair accepts 80% at every confidence
     counts = np.stack([(1 - g) * 100, g * 100])

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from sloserve.bench.synthetic import cpu_cost_model
-from sloserve.drafter.lut import LookupTablePolicy
-from sloserve.drafter.registry import POLICY_NAMES, make_policy
+from sloserve.policies.lut import LookupTablePolicy
+from sloserve.policies.registry import POLICY_NAMES, make_policy
 
 COST = cpu_cost_model()
 

@@ -1,8 +1,8 @@
-"""The adaptive drafter's small-batch path (drafter/small_rounds.py, Python floats) decides
-exactly what its numpy path decides: the same requests draft every position, the same
+"""SpecServe's small-batch plan (policies/specserve/small_plan.py, Python floats) decides
+exactly what its numpy plan decides: the same requests draft every position, the same
 tokens are verified, with the same plan time, over random steps (contexts, catch-up lags,
-SLOs, prefill chunks, knee and linear cost models, the measured-rate rule) and random
-confidences, fed back through observe so the histories and scales evolve alike."""
+SLOs, prefill chunks, knee and linear cost models) and random confidences, fed back through
+observe so the histories and scales evolve alike."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 
 from sloserve.bench.synthetic import cpu_cost_model
-from sloserve.drafter.policy import StepInfo, VerifyOutcome
-from sloserve.drafter.specserve import SpecServePolicy
 from sloserve.estimator.cost_model import CostModel, ForwardCost
 from sloserve.estimator.step_time import StepTimer
+from sloserve.policies.specserve import SpecServePolicy
+from sloserve.policies.specserve.plan import SpecServePlan
+from sloserve.policies.specserve.small_plan import SmallSpecServePlan
+from sloserve.speculation import StepInfo, VerifyOutcome
 
 KNEE = CostModel(ForwardCost(2.0e-6, 4.4e-4, 12.6e-3, 6.5), ForwardCost(1.5e-7, 2.9e-5, 2.1e-3, 5.0),
                  1.2e-3)
@@ -39,9 +41,10 @@ def _random_step(rng, B: int, t: int, slo_on: bool) -> StepInfo:
 
 
 def _run(policy: SpecServePolicy, step: StepInfo, conf: np.ndarray, rng_seed: int):
-    """One engine step: start / extend until nobody drafts / verify_lengths / observe."""
+    """One engine step: plan / extend until nobody drafts / verify_lengths / observe."""
     B = step.batch_size
-    rounds = [policy.start(step).copy()]
+    plan = policy.plan(step)
+    rounds = [plan.drafting.copy()]
     drafting = rounds[0]
     drafted = np.zeros(B, dtype=np.int64)
     j = 0
@@ -49,25 +52,25 @@ def _run(policy: SpecServePolicy, step: StepInfo, conf: np.ndarray, rng_seed: in
         drafted += drafting
         j += 1
         c = np.where(drafted >= np.arange(1, j + 1)[:, None], conf[:, :j].T, np.nan).T
-        drafting = drafting & policy.extend(step, c, drafting)
+        drafting = drafting & plan.extend(c, drafting)
         rounds.append(drafting.copy())
     s = int(drafted.max()) if B else 0
     c = np.where(np.arange(1, s + 1)[None, :] <= drafted[:, None], conf[:, :s], np.nan)
-    k = policy.verify_lengths(step, c, drafted) if s else drafted.copy()
-    plan = (policy.drafter.tokens, policy.drafter.time)
+    k = plan.verify_lengths(c, drafted) if s else drafted.copy()
+    totals = (plan.tokens, plan.time)
     rng = np.random.default_rng(rng_seed)
     accepted = np.minimum(k, rng.integers(0, 4, B))
-    timer = StepTimer(policy.drafter.cost, step)
+    timer = StepTimer(plan.cost, step)
     predicted = timer.plan(drafted, k)
-    policy.observe(step, VerifyOutcome(
+    policy.observe(plan, VerifyOutcome(
         drafted=drafted, verified=np.asarray(k), accepted=accepted, confidences=c,
         step_time=predicted * rng.uniform(0.8, 1.6), draft_time=0.0,
         verify_time=predicted * 0.7 if rng.random() < 0.7 else None))
-    return [r.tolist() for r in rounds], np.asarray(k).tolist(), plan
+    return [r.tolist() for r in rounds], np.asarray(k).tolist(), totals, type(plan)
 
 
 @pytest.mark.parametrize("cost", [KNEE, cpu_cost_model()], ids=["knee", "linear"])
-@pytest.mark.parametrize("options", [{}, {"long_run_rate": True}, {"uniform_margin": 0.0},
+@pytest.mark.parametrize("options", [{}, {"uniform_margin": 0.0},
                                      {"score_prefill": True, "start_margin": 0.05}])
 def test_small_batch_path_decides_as_the_numpy_path(cost, options):
     rng = np.random.default_rng(7)
@@ -81,13 +84,13 @@ def test_small_batch_path_decides_as_the_numpy_path(cost, options):
         conf = rng.beta(2.0, 1.2, (B, 8))
         a = _run(numpy_path, step, conf, t)
         b = _run(small_path, dataclasses.replace(step), conf, t)
-        assert numpy_path.drafter.small is False and small_path.drafter.small is True
+        assert a[3] is SpecServePlan and b[3] is SmallSpecServePlan
         assert a[0] == b[0], f"step {t}: draft rounds differ"
         assert a[1] == b[1], f"step {t}: verify lengths differ"
         assert a[2] == pytest.approx(b[2], rel=1e-9), f"step {t}: plan tokens/time differ"
         exercised.add(len(a[0]) - 1)
         exercised.add("subset" if any(0 < sum(r) < B for r in a[0]) else "uniform")
-    np.testing.assert_allclose(numpy_path.drafter.history.values[:32],
-                               small_path.drafter.history.values[:32], rtol=1e-9)
-    assert numpy_path.drafter.prior == pytest.approx(small_path.drafter.prior, rel=1e-9)
+    np.testing.assert_allclose(numpy_path.history.values[:32],
+                               small_path.history.values[:32], rtol=1e-9)
+    assert numpy_path.prior == pytest.approx(small_path.prior, rel=1e-9)
     assert {0, 1, 2} <= exercised  # plain steps, one draft round and more were all compared

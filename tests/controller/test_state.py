@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sloserve.drafter.state import RequestTable
+from sloserve.policies.request_table import RequestTable
 
 
 def test_slots_are_stable_recycled_and_initialised():

@@ -1,4 +1,4 @@
-"""Step-time model: the closed forms agree with a forward-by-forward sum (DESIGN sec. 2)."""
+"""Step-time model: the closed forms agree with a forward-by-forward sum (docs/design.md sec. 2)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from sloserve.bench.synthetic import cpu_cost_model, make_step
-from sloserve.drafter.policy import StepInfo
 from sloserve.estimator.cost_model import CostModel, ForwardCost
 from sloserve.estimator.step_time import StepTimer, step_time
+from sloserve.speculation import StepInfo
 
 COST = CostModel(ForwardCost(3e-6, 2e-3, 30e-3), ForwardCost(5e-7, 2e-4, 5e-3), overhead=2e-3)
 # the same pair with roofline knees: the first 24 verify / 6 draft query tokens are free
@@ -103,7 +103,7 @@ def test_marginal_token_costs_add_up():
 
 
 def test_cpu_cost_model_shape():
-    """The synthetic CPU pair behaves like DESIGN sec. 10: verifying 8 tokens costs little
+    """The synthetic CPU pair behaves like docs/design.md sec. 1: verifying 8 tokens costs little
     more than 1 at batch 1 and much more at batch 32."""
     cost = cpu_cost_model()
     t1 = StepTimer(cost, make_step(1)).uniform(7)

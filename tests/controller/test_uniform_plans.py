@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from sloserve.bench.synthetic import cpu_cost_model, make_step
-from sloserve.drafter.specserve import SpecServePolicy
-from sloserve.verifier.elimination import eliminate_padded
+from sloserve.policies.specserve import SpecServePolicy
+from sloserve.policies.specserve.elimination import eliminate_padded
 
 COST = cpu_cost_model()
 B = 8
@@ -21,11 +21,11 @@ def _second_position(low_conf: float, margin: float) -> list[int]:
     """Who drafts position 2 after 4 requests drafted position 1 at confidence 0.9 and 4 at
     `low_conf`."""
     policy = SpecServePolicy(COST, 8, prior=0.7, uniform_margin=margin, correct_cost=False)
-    step = make_step(B, context=256)
-    first = policy.start(step)
+    plan = policy.plan(make_step(B, context=256))
+    first = plan.drafting
     assert first.all()
     conf = np.where(np.arange(B) < 4, 0.9, low_conf)[:, None].repeat(8, axis=1)
-    return policy.extend(step, conf[:, :1], first).astype(int).tolist()
+    return plan.extend(conf[:, :1], first).astype(int).tolist()
 
 
 def test_a_subset_that_scores_barely_higher_gives_way_to_the_whole_set():

@@ -1,4 +1,4 @@
-"""Metric definitions against hand-computed cases (DESIGN.md section 8, vLLM semantics)."""
+"""Metric definitions against hand-computed cases (docs/design.md sec. 11, vLLM semantics)."""
 
 from __future__ import annotations
 

@@ -59,11 +59,11 @@ def test_simulated_acceptance_matches_the_process(policy):
     sim = Simulator(cfg(policy, k_max=4), COST, model, seed=3)
     observe = sim.policy.observe
 
-    def record(step, outcome):  # every verified position up to the first rejection
+    def record(plan, outcome):  # every verified position up to the first rejection
         for r in range(len(outcome.verified)):
             k, a = int(outcome.verified[r]), int(outcome.accepted[r])
             pairs.extend((float(outcome.confidences[r, j]), j < a) for j in range(min(k, a + 1)))
-        observe(step, outcome)
+        observe(plan, outcome)
 
     sim.policy.observe = record
     sim.run([SimRequest(f"r{i}", 0.05 * i, 20, 120) for i in range(300)])

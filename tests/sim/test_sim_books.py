@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from sim_cases import COST, cfg, poisson_requests
 
-from sloserve.drafter.registry import POLICY_NAMES
+from sloserve.policies.registry import POLICY_NAMES
 from sloserve.sim.engine import SimRequest, Simulator
 
 

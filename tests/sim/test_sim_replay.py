@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from sloserve.estimator.profile_file import read_profile
 from sloserve.estimator.step_time import StepTimer
-from sloserve.profiler.profile_file import read_profile
 from sloserve.replay.__main__ import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -70,7 +70,7 @@ def test_gpu_profiles_load_and_reproduce_their_source():
     # TurboSpec Fig. 2: 7.4 ms plain and 12.6 ms with k = 2 at batch 50 (256-token contexts)
     import numpy as np
 
-    from sloserve.drafter.policy import StepInfo
+    from sloserve.speculation import StepInfo
 
     cost = read_profile(H100).cost_model()
     step = StepInfo([f"r{i}" for i in range(50)], np.full(50, 256), np.full(50, np.inf), 8)

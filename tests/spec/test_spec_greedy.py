@@ -8,26 +8,32 @@ import numpy as np
 import pytest
 from sloserve_testing import prompts_of_lengths
 
-from sloserve.drafter.policy import SpecPolicy, StepInfo
 from sloserve.runtime.request import SamplingParams, Status
+from sloserve.speculation import SpecPlan, SpecPolicy, StepInfo
+
+
+class RandomPlan(SpecPlan):
+    """Drafts a random subset, stops drafting at random, verifies a random prefix (0 allowed)."""
+
+    def __init__(self, step: StepInfo, rng: np.random.Generator):
+        self.step, self.rng = step, rng
+        self.drafting = rng.random(step.batch_size) < 0.8
+
+    def extend(self, confidences, drafting):
+        return drafting & (self.rng.random(self.step.batch_size) < 0.75)
+
+    def verify_lengths(self, confidences, drafted):
+        return np.array([self.rng.integers(0, d + 1) for d in drafted], dtype=np.int64)
 
 
 class RandomPolicy(SpecPolicy):
-    """Drafts a random subset, stops drafting at random, verifies a random prefix (0 allowed)."""
-
     name = "random"
 
     def __init__(self, seed: int):
         self.rng = np.random.default_rng(seed)
 
-    def start(self, step: StepInfo):
-        return self.rng.random(step.batch_size) < 0.8
-
-    def extend(self, step, confidences, drafting):
-        return drafting & (self.rng.random(step.batch_size) < 0.75)
-
-    def verify_lengths(self, step, confidences, drafted):
-        return np.array([self.rng.integers(0, d + 1) for d in drafted], dtype=np.int64)
+    def plan(self, step: StepInfo) -> SpecPlan:
+        return RandomPlan(step, self.rng)
 
 
 def _run(eng, prompts, n, per_step=4, **kw):
@@ -116,7 +122,7 @@ def test_stops_inside_accepted_runs(make_engine, prompts):
     assert _run(spec, prompts[:8], 30) == _run(plain, prompts[:8], 30)
 
 
-from sloserve.drafter.registry import POLICY_NAMES  # noqa: E402
+from sloserve.policies.registry import POLICY_NAMES  # noqa: E402
 
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)
@@ -165,7 +171,7 @@ class RecordingPolicy(RandomPolicy):
         super().__init__(seed)
         self.outcomes = []
 
-    def observe(self, step, outcome):
+    def observe(self, plan, outcome):
         self.outcomes.append(outcome)
 
 

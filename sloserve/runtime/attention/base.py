@@ -43,14 +43,11 @@ def register_backend(name: str, factory: Callable[[], AttentionBackend]) -> None
 
 
 def make_backend(name: str, device: str = "cpu") -> AttentionBackend:
-    """The backend called `name`; "auto" picks by device: FlashInfer on CUDA where it is
-    installed, else the torch backend; on the CPU the C++ kernel backend ("cpu", which keeps
-    the torch path where its kernel cannot be built)."""
+    """The backend called `name`; "auto" picks by device: the torch backend on CUDA, on the
+    CPU the C++ kernel backend ("cpu", which keeps the torch path where its kernel cannot be
+    built)."""
     if name == "auto":
-        if str(device).startswith("cuda"):
-            name = "flashinfer" if "flashinfer" in _REGISTRY else "torch"
-        else:
-            name = "cpu"
+        name = "torch" if str(device).startswith("cuda") else "cpu"
     if name not in _REGISTRY:
         raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_REGISTRY)}")
     return _REGISTRY[name]()

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from sloserve.drafter.base import TargetLengthPolicy
-from sloserve.drafter.policy import StepInfo
+from sloserve.policies.lengths import TargetLengthPolicy
+from sloserve.speculation import StepInfo
 
 
 class FixedPolicy(TargetLengthPolicy):

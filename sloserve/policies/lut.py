@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from sloserve.drafter.base import TargetLengthPolicy
-from sloserve.drafter.policy import StepInfo
 from sloserve.estimator.cost_model import CostModel
 from sloserve.estimator.efficiency import uniform_efficiency
 from sloserve.estimator.step_time import StepTimer
+from sloserve.policies.lengths import TargetLengthPolicy
+from sloserve.speculation import StepInfo
 
 DEFAULT_ACCEPTANCE = 0.7
 DEFAULT_CONTEXT = 512

@@ -19,12 +19,26 @@ from __future__ import annotations
 
 import numpy as np
 
-from sloserve.drafter.base import TargetLengthPolicy
-from sloserve.drafter.policy import StepInfo, VerifyOutcome
 from sloserve.estimator.acceptance import MovingAverageAcceptance, geometric_tokens
 from sloserve.estimator.cost_model import CostModel
 from sloserve.estimator.efficiency import uniform_efficiency
 from sloserve.estimator.step_time import StepTimer
+from sloserve.policies.lengths import LengthPlan, TargetLengthPolicy
+from sloserve.speculation import SpecPlan, StepInfo, VerifyOutcome
+
+
+class VerifyArgmaxPlan(LengthPlan):
+    """n-gram mode: every request proposes k_max; the goodput argmax picks how many verify."""
+
+    def __init__(self, step: StepInfo, target: np.ndarray, policy: GoodputPolicy) -> None:
+        super().__init__(step, target)
+        self.policy = policy
+
+    def verify_lengths(self, confidences: np.ndarray, drafted: np.ndarray) -> np.ndarray:
+        drafted = np.asarray(drafted, dtype=np.int64)
+        if not drafted.any():
+            return drafted.copy()
+        return np.minimum(drafted, self.policy.verify_argmax(self.step, drafted))
 
 
 class GoodputPolicy(TargetLengthPolicy):
@@ -56,15 +70,13 @@ class GoodputPolicy(TargetLengthPolicy):
         k = self.step_k_max(step) if self.drafter == "ngram" else self.best_k(step)
         return np.full(step.batch_size, k, dtype=np.int64)
 
-    def verify_lengths(
-        self, step: StepInfo, confidences: np.ndarray, drafted: np.ndarray
-    ) -> np.ndarray:
-        drafted = np.asarray(drafted, dtype=np.int64)
-        if self.drafter != "ngram" or not drafted.any():
-            return drafted.copy()
-        return np.minimum(drafted, self._verify_argmax(step, drafted))
+    def plan(self, step: StepInfo) -> SpecPlan:
+        target = self.clipped(step, self.target_lengths(step))
+        if self.drafter == "ngram":
+            return VerifyArgmaxPlan(step, target, self)
+        return LengthPlan(step, target)
 
-    def _verify_argmax(self, step: StepInfo, drafted: np.ndarray) -> int:
+    def verify_argmax(self, step: StepInfo, drafted: np.ndarray) -> int:
         """TurboSpec GetVerificationLen for PLD: argmax over k of goodput, the draft cost
         being sunk; request r verifies min(drafted_r, k)."""
         timer = StepTimer(self.cost, step)
@@ -74,5 +86,5 @@ class GoodputPolicy(TargetLengthPolicy):
         times = timer.plain + timer.verify_extra(kk.sum(axis=0))  # [K]
         return int(np.argmax(tokens / times))
 
-    def observe(self, step: StepInfo, outcome: VerifyOutcome) -> None:
+    def observe(self, plan: SpecPlan, outcome: VerifyOutcome) -> None:
         self.acceptance.update(outcome.verified, outcome.accepted)

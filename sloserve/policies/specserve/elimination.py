@@ -12,11 +12,9 @@ tokens by P_{r,j}. Removing it raises E iff P_{r,j} < token_time * E. Past the t
 have been made, a removal saves nothing and never raises E. One sort of all
 candidate tokens plus prefix sums scores every removal count at once; the greedy stops at
 the first removal that does not help, which is also the best prefix (E rises while tokens
-below the threshold go, and the threshold falls once E does). With a `rate` (the adaptive
-drafter's measured long-run throughput) the threshold is token_time * rate instead of
-token_time * E, for the reason given in drafter/adaptive.py. With a `margin` the removals
+below the threshold go, and the threshold falls once E does). With a `margin` the removals
 the SLO does not force are made only if together they raise E by that fraction (the
-drafter's preference for uniform plans, adaptive.py). E leaves out `unscored_time`, the
+preference for uniform plans, docs/design.md sec. 5). E leaves out `unscored_time`, the
 seconds of the step's prefill chunks, which the SLO rule still counts.
 """
 
@@ -65,24 +63,20 @@ def eliminate_padded(
     slo: float,
     paid_tokens: float = float("inf"),
     n_drafted: int | None = None,
-    rate: float | None = None,
     unscored_time: float = 0.0,
     margin: float = 0.0,
 ) -> np.ndarray:
-    """`eliminate` for a P that is +inf exactly past each row's drafted tokens (the adaptive
-    drafter keeps it that way), which saves building the candidate list. n_drafted:
-    drafted.sum() when the caller has it. rate: tokens per second to compare against
-    instead of the plan's own E (the drafter's measured long-run rate, adaptive.py): a token
-    goes when it earns less than its verify time would earn at that rate. unscored_time:
-    seconds of step_time left out of E (a step's prefill chunks, adaptive.py); the SLO rule
-    still sees all of step_time. margin: removals the SLO rule does not force are made only
-    if together they raise E by this fraction (the drafter's uniform_margin)."""
+    """`eliminate` for a P that is +inf exactly past each row's drafted tokens (the SpecServe
+    plan keeps it that way), which saves building the candidate list. n_drafted:
+    drafted.sum() when the caller has it. unscored_time: seconds of step_time left out of E
+    (a step's prefill chunks); the SLO rule still sees all of step_time. margin: removals the
+    SLO rule does not force are made only if together they raise E by this fraction
+    (SpecServeOptions.uniform_margin)."""
     if step_time <= slo:  # nothing forced: if the lowest-P token stays, every token stays
         if paid_tokens <= 0.0:
             return drafted.copy()
         p_min = float(P.min())  # the padding is +inf
-        if (p_min >= token_time * rate if rate is not None
-                else p_min * (step_time - unscored_time) >= token_time * tokens):
+        if p_min * (step_time - unscored_time) >= token_time * tokens:
             return drafted.copy()
     B, s = P.shape
     n = int(drafted.sum()) if n_drafted is None else n_drafted  # candidates: finite entries
@@ -95,23 +89,19 @@ def eliminate_padded(
     removed = np.arange(n, dtype=np.float64)  # [n] removals made before candidate i
     if paid_tokens >= n:  # every removal saves token_time (no knee in reach)
         time_prev = step_time - token_time * removed  # [n]
-        if rate is None:  # P < token_time * E_prev
-            remove = p_sorted * (time_prev - unscored_time) < token_time * tokens_prev
-        else:
-            remove = p_sorted < token_time * rate
+        # P < token_time * E_prev
+        remove = p_sorted * (time_prev - unscored_time) < token_time * tokens_prev
     else:
         saving = np.where(removed < paid_tokens, token_time, 0.0)  # [n] seconds removing i saves
         time_prev = step_time - token_time * np.minimum(removed, paid_tokens)  # [n]
-        if rate is None:  # P < saving * E_prev
-            remove = p_sorted * (time_prev - unscored_time) < saving * tokens_prev
-        else:
-            remove = p_sorted < saving * rate
+        # P < saving * E_prev
+        remove = p_sorted * (time_prev - unscored_time) < saving * tokens_prev
     if slo < float("inf"):
         remove |= time_prev > slo  # the SLO rule: remove regardless
     n_remove = int(remove.argmin()) if n else 0
     if n and remove[n_remove]:  # every candidate goes
         n_remove = n
-    if margin and rate is None and n_remove:
+    if margin and n_remove:
         # removals the SLO does not force happen only if they raise E by `margin`
         forced = int(np.count_nonzero(time_prev > slo)) if slo < float("inf") else 0
         if n_remove > forced:
@@ -129,8 +119,7 @@ def eliminate_padded(
 
 
 def eliminate_plan(timer: StepTimer, P: np.ndarray, drafted: np.ndarray, slo: float,
-                   rate: float | None = None, unscored_time: float = 0.0,
-                   margin: float = 0.0) -> np.ndarray:
+                   unscored_time: float = 0.0, margin: float = 0.0) -> np.ndarray:
     """`eliminate` for a plan whose token sum and step time are not tracked yet."""
     drafted = np.asarray(drafted, dtype=np.int64)
     if P.shape[1] == 0 or not drafted.any():
@@ -146,7 +135,6 @@ def eliminate_plan(timer: StepTimer, P: np.ndarray, drafted: np.ndarray, slo: fl
         token_time=timer.token_time,
         slo=slo,
         paid_tokens=timer.paid_verify(float(drafted.sum())),
-        rate=rate,
         unscored_time=unscored_time,
         margin=margin,
     )

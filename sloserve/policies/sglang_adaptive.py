@@ -22,8 +22,8 @@ import bisect
 
 import numpy as np
 
-from sloserve.drafter.base import TargetLengthPolicy
-from sloserve.drafter.policy import StepInfo, VerifyOutcome
+from sloserve.policies.lengths import TargetLengthPolicy
+from sloserve.speculation import SpecPlan, StepInfo, VerifyOutcome
 
 BUCKETS: dict[int, tuple[int, ...]] = {1: (1, 3, 7), 64: (1, 2, 5), 128: (1, 2, 6)}
 INITIAL_STEPS = 3
@@ -88,7 +88,8 @@ class SGLangAdaptivePolicy(TargetLengthPolicy):
         k = self.tracker(step.batch_size).steps
         return np.full(step.batch_size, k, dtype=np.int64)
 
-    def observe(self, step: StepInfo, outcome: VerifyOutcome) -> None:
+    def observe(self, plan: SpecPlan, outcome: VerifyOutcome) -> None:
+        step = plan.step
         verified = np.asarray(outcome.verified)
         if step.batch_size == 0 or not verified.any():
             return

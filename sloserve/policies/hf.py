@@ -20,13 +20,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from sloserve.drafter.base import TargetLengthPolicy
-from sloserve.drafter.policy import StepInfo, VerifyOutcome
-from sloserve.drafter.state import RequestTable
+from sloserve.policies.lengths import LengthPlan, TargetLengthPolicy
+from sloserve.policies.request_table import RequestTable
+from sloserve.speculation import SpecPlan, StepInfo, VerifyOutcome
 
 HF_HEURISTIC_START = 5
 HF_CONSTANT_TOKENS = 20
 HF_CONFIDENCE_THRESHOLD = 0.4
+
+
+class HeuristicPlan(LengthPlan):
+    """A LengthPlan that remembers the requests' slots in the policy's length table."""
+
+    def __init__(self, step: StepInfo, target: np.ndarray, slots: np.ndarray) -> None:
+        super().__init__(step, target)
+        self.slots = slots  # [B] rows of HFHeuristicPolicy.lengths
 
 
 class HFHeuristicPolicy(TargetLengthPolicy):
@@ -38,27 +46,40 @@ class HFHeuristicPolicy(TargetLengthPolicy):
         super().__init__(k_max)
         self.initial = float(max(1, min(start, k_max)))
         self.lengths = RequestTable()
-        self._slots = np.zeros(0, dtype=np.int64)
-        self._step: StepInfo | None = None  # the step self._slots belong to
 
     def target_lengths(self, step: StepInfo) -> np.ndarray:
-        self._step = step
-        self._slots = self.lengths.slots(step.request_ids, fill=self.initial)
-        return self.lengths.values[self._slots].astype(np.int64)
+        slots = self.lengths.slots(step.request_ids, fill=self.initial)
+        return self.lengths.values[slots].astype(np.int64)
 
-    def observe(self, step: StepInfo, outcome: VerifyOutcome) -> None:
-        if self._step is not step:
-            self._step = step
-            self._slots = self.lengths.slots(step.request_ids, fill=self.initial)
+    def plan(self, step: StepInfo) -> SpecPlan:
+        slots = self.lengths.slots(step.request_ids, fill=self.initial)
+        target = self.lengths.values[slots].astype(np.int64)
+        return HeuristicPlan(step, self.clipped(step, target), slots)
+
+    def observe(self, plan: SpecPlan, outcome: VerifyOutcome) -> None:
+        assert isinstance(plan, HeuristicPlan)
         verified = np.asarray(outcome.verified)
         tried = verified > 0  # requests that did not verify anything keep their length
         all_ok = np.asarray(outcome.accepted) >= verified
-        k = self.lengths.values[self._slots]
+        k = self.lengths.values[plan.slots]
         k = k + tried * np.where(all_ok, 2.0, -1.0)
-        self.lengths.values[self._slots] = np.minimum(np.maximum(k, 1.0), max(1.0, self.k_max))
+        self.lengths.values[plan.slots] = np.minimum(np.maximum(k, 1.0), max(1.0, self.k_max))
 
     def release(self, request_id: str) -> None:
         self.lengths.release(request_id)
+
+
+class ThresholdPlan(LengthPlan):
+    """A LengthPlan whose requests also stop after a draft token below `threshold`."""
+
+    def __init__(self, step: StepInfo, target: np.ndarray, threshold: float) -> None:
+        super().__init__(step, target)
+        self.threshold = threshold
+
+    def extend(self, confidences: np.ndarray, drafting: np.ndarray) -> np.ndarray:
+        latest = confidences[:, -1]  # [B], NaN where the request did not draft
+        # NaN >= t is False, so non-drafting rows stay out
+        return super().extend(confidences, drafting) & (latest >= self.threshold)
 
 
 class HFThresholdPolicy(TargetLengthPolicy):
@@ -76,7 +97,5 @@ class HFThresholdPolicy(TargetLengthPolicy):
     def target_lengths(self, step: StepInfo) -> np.ndarray:
         return np.full(step.batch_size, HF_CONSTANT_TOKENS, dtype=np.int64)
 
-    def extend(self, step: StepInfo, confidences: np.ndarray, drafting: np.ndarray) -> np.ndarray:
-        latest = confidences[:, -1]  # [B], NaN where the request did not draft
-        # NaN >= t is False, so non-drafting rows stay out
-        return super().extend(step, confidences, drafting) & (latest >= self.threshold)
+    def plan(self, step: StepInfo) -> SpecPlan:
+        return ThresholdPlan(step, self.clipped(step, self.target_lengths(step)), self.threshold)

@@ -21,17 +21,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from sloserve.drafter.ar import ARPolicy
-from sloserve.drafter.fixed import FixedPolicy
-from sloserve.drafter.goodput import GoodputPolicy
-from sloserve.drafter.hf import HFHeuristicPolicy, HFThresholdPolicy
-from sloserve.drafter.lut import LookupTablePolicy, default_table, parse_table
-from sloserve.drafter.policy import SpecPolicy
-from sloserve.drafter.sglang_adaptive import SGLangAdaptivePolicy
-from sloserve.drafter.specserve import SpecServePolicy
 from sloserve.estimator.cost_model import CostModel
+from sloserve.policies.ar import ARPolicy
+from sloserve.policies.fixed import FixedPolicy
+from sloserve.policies.goodput import GoodputPolicy
+from sloserve.policies.hf import HFHeuristicPolicy, HFThresholdPolicy
+from sloserve.policies.lut import LookupTablePolicy, default_table, parse_table
+from sloserve.policies.sglang_adaptive import SGLangAdaptivePolicy
+from sloserve.policies.specserve import SpecServePolicy
+from sloserve.speculation import SpecPolicy
 
-# the baseline set of DESIGN.md sec. 7; every entry is a valid spec
+# the baseline set of docs/design.md sec. 10; every entry is a valid spec
 POLICY_NAMES: list[str] = [
     "ar",
     "fixed:1",
@@ -132,7 +132,6 @@ def make_policy(spec: str, cost: CostModel, *, k_max: int, drafter: str = "model
         policy = builder(arg if sep else None, cost, k_max, drafter)
     except ValueError as err:
         raise ValueError(f"bad speculation policy {spec!r}: {err}; valid: {SPEC_GRAMMAR}") from err
-    seed = getattr(policy, "seed_calibration", None)
-    if calibration is not None and seed is not None:
-        seed(calibration)
+    if calibration is not None and isinstance(policy, SpecServePolicy):
+        policy.seed_calibration(calibration)
     return policy

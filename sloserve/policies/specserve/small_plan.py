@@ -1,17 +1,17 @@
-"""The adaptive drafter's per-round decisions on Python floats, for small decode batches.
+"""A SpecServe step planned on Python floats, for small decode batches.
 
 In the engine every numpy call made after a forward runs on cold caches: ~20-30 us for the
 first, ~5 us for each further one, against ~1 us warm. A draft round's decision (correct
-with the real confidences, then pick who drafts the next position: adaptive.py) is ~25
-such calls, so at batch 4 on the built-in CPU pair the controller took ~3% of every step,
-about all of the gap between `specserve` and the best fixed k. Over a few requests plain
-Python loops are cheaper cold; this mixin does the same arithmetic in the same order (the
-same floats, hence the same decisions; tests/controller/test_small_rounds.py runs both
-paths side by side) with three or four numpy calls a round. Used for batches of at most
-`AdaptiveDrafter.small_batch` requests (default SMALL_BATCH).
+with the real confidences, then pick who drafts the next position: plan.py) is ~25 such
+calls, so at batch 4 on the built-in CPU pair the controller took ~3% of every step, about
+all of the gap between `specserve` and the best fixed k. Over a few requests plain Python
+loops are cheaper cold; this plan does the same arithmetic in the same order as
+`SpecServePlan` (the same floats, hence the same decisions;
+tests/controller/test_small_rounds.py runs both side by side) with three or four numpy
+calls a round. The policy uses it for batches of at most SpecServeOptions.small_batch.
 
-State while a step is planned (lists of Python floats, one entry per request):
-    pred_l   the predicted acceptance of the next draft token (adaptive.py's `pred`)
+State (lists of Python floats, one entry per request; P stays the numpy array of plan.py):
+    pred_l   the predicted acceptance of the next draft token (plan.py's `pred`)
     p_last_l the chain probability of the last drafted position (`p_last`)
     n_l, lag_l  the StepTimer's context lengths and catch-up tokens (lag_l None: no lag)
 """
@@ -20,18 +20,31 @@ from __future__ import annotations
 
 import numpy as np
 
-SMALL_BATCH = 8  # at most this many requests: per-round decisions on Python floats
+from sloserve.policies.specserve.options import COLLAPSE
+from sloserve.policies.specserve.plan import SpecServePlan
 
 
-class SmallRounds:
-    """Mixin of AdaptiveDrafter: `_begin_small`, `_grow_small`, `_correct_small`."""
+class SmallSpecServePlan(SpecServePlan):
+    """SpecServePlan's decisions on Python floats: `_prepare`, `_grow`, `_correct`."""
 
-    def _begin_small(self, B: int) -> None:
+    def _prepare(self) -> None:
         t = self.timer
         self.n_l = t.n.tolist()
         self.lag_l = t.lag.tolist() if t.has_lag else None
         self.pred_l = self.pred.tolist()
-        self.p_last_l = [1.0] * B
+        self.p_last_l = [1.0] * self.step.batch_size
+
+    def _first_round(self) -> np.ndarray:
+        return self._grow_small(0, self.p_last_l)
+
+    def _next_round(self, j: int) -> np.ndarray:
+        return self._grow_small(j, [p >= COLLAPSE for p in self.p_last_l])
+
+    def predictions(self) -> list[float]:
+        return self.pred_l
+
+    def mean_prediction(self) -> float:
+        return sum(self.pred_l) / self.step.batch_size
 
     def _cost_row(self, j: int) -> list[float]:
         """Row j of StepTimer.draft_token_costs, operation for operation."""
@@ -46,7 +59,7 @@ class SmallRounds:
         return row
 
     def _prefix_times_small(self, j: int, order: list[int]) -> list[float]:
-        """adaptive.py's `_prefix_times` on Python floats."""
+        """plan.py's `_prefix_times` on Python floats."""
         d = self.cost.draft
         t = self.time + d.c
         times = []
@@ -84,7 +97,7 @@ class SmallRounds:
         return times
 
     def _grow_small(self, j: int, weight: list) -> np.ndarray:
-        """adaptive.py's `_grow` on Python floats: [B] bool, who drafts position j + 1."""
+        """plan.py's `_grow` on Python floats: [B] bool, who drafts position j + 1."""
         p_last, pred = self.p_last_l, self.pred_l
         B = len(pred)
         gain = [p_last[i] * pred[i] * weight[i] for i in range(B)]
@@ -98,24 +111,20 @@ class SmallRounds:
             acc += gain[i]
             tokens.append(acc)
         time = self._prefix_times_small(j, order)
-        margin = 1.0 + self.start_margin if j == 0 else 1.0
-        if self.rate is None:
-            un = self.unscored
-            score = [tk / (tm - un) for tk, tm in zip(tokens, time)]
-            current = self.tokens / (self.time - un) * margin
-        else:
-            lam = self.rate * margin
-            score = [tk - lam * tm for tk, tm in zip(tokens, time)]
-            current = self.tokens - lam * self.time
+        opts = self.inputs.options
+        margin = 1.0 + opts.start_margin if j == 0 else 1.0
+        un = self.unscored
+        score = [tk / (tm - un) for tk, tm in zip(tokens, time)]
+        current = self.tokens / (self.time - un) * margin
         if self.slo < float("inf"):
             score = [-np.inf if tm > self.slo else s for s, tm in zip(score, time)]
         best = 0
         for m in range(1, B):
             if score[m] > score[best]:
                 best = m
-        if self.uniform_margin and self.rate is None:
+        if opts.uniform_margin:
             full = sum(1 for g in gain if g != 0.0) - 1
-            if full > best and score[full] * (1.0 + self.uniform_margin) >= score[best]:
+            if full > best and score[full] * (1.0 + opts.uniform_margin) >= score[best]:
                 best = full
         drafting = np.zeros(B, dtype=bool)
         if score[best] <= current:
@@ -125,11 +134,11 @@ class SmallRounds:
         self.k_total += best + 1
         return drafting
 
-    def _correct_small(self, j: int, conf: np.ndarray, drafting: np.ndarray) -> None:
-        """adaptive.py's `_correct` on Python floats (the calibration map stays numpy's)."""
-        acc = self.g(np.fmax(conf, 0.0)).tolist()  # g(c); NaN (not drafted) -> g(0)
+    def _correct(self, j: int, conf: np.ndarray, drafting: np.ndarray) -> None:
+        """plan.py's `_correct` on Python floats (the calibration map stays numpy's)."""
+        acc = self.inputs.g(np.fmax(conf, 0.0)).tolist()  # g(c); NaN (not drafted) -> g(0)
         drafted = drafting.tolist()
-        p_last, pred, ema = self.p_last_l, self.pred_l, self.ema
+        p_last, pred, ema = self.p_last_l, self.pred_l, self.inputs.options.ema
         p = [p_last[i] * acc[i] * drafted[i] for i in range(len(acc))]
         self.p_last_l = p
         np.copyto(self.P[j - 1], p, where=drafting)

@@ -1,4 +1,4 @@
-"""Lossless acceptance of draft tokens (DESIGN.md section 6): pure math on one request.
+"""Lossless acceptance of draft tokens (docs/design.md sec. 7): pure math on one request.
 
 Greedy: accept while the draft token equals the target argmax; the bonus token is the target
 argmax at the first mismatch (or after the last draft).

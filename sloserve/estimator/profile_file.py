@@ -34,7 +34,17 @@ from pathlib import Path
 
 from sloserve import __version__
 from sloserve.estimator.cost_model import CostModel, ForwardCost
-from sloserve.profiler.fit import FitStats
+
+
+@dataclass(frozen=True)
+class FitStats:
+    """Quality of a fit on its own samples."""
+
+    r2: float  # coefficient of determination on seconds
+    mape: float  # mean absolute percentage error as a fraction (0.02 = 2 %)
+    max_ape: float  # worst absolute percentage error as a fraction
+    n_samples: int
+
 
 SCHEMA = "sloserve.profile"
 VERSION = 1

@@ -1,0 +1,45 @@
+"""The SpecServe policy's settings: one frozen value, built once (docs/design.md sec. 5)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Fixed rules (not settings): a request whose chain probability falls below COLLAPSE (at most
+# 1 in 20 chances the next token is even reached) leaves the draft batch; the prior of new
+# requests follows the batch's mean prediction with weight PRIOR_EMA per step; verify
+# outcomes are counted into the calibration map CALIBRATE_EVERY steps at a time (the first
+# numpy call after a forward runs on cold caches, the next ones warm).
+COLLAPSE = 0.05
+PRIOR_EMA = 0.05
+CALIBRATE_EVERY = 8
+SMALL_BATCH = 8
+
+
+@dataclass(frozen=True)
+class SpecServeOptions:
+    """Every option has its measured reason in docs/design.md; the defaults are what runs."""
+
+    ema: float = 0.3  # weight of the newest draft token in a request's EMA of g(c)
+    prior: float = 0.6  # the first prediction of acceptance for a new request
+    # speculation starts only if its predicted E beats plain decoding by this fraction
+    start_margin: float = 0.0
+    # a strict subset of the candidates drafts (a tail is trimmed) only if it raises E by
+    # more than this fraction over the uniform choice
+    uniform_margin: float = 0.06
+    # the SLO guard: plans are held to SLO / (the worst measured / predicted step time of
+    # the last `overrun_window` steps), assumed `initial_overrun` until measured
+    overrun_window: int = 1024
+    initial_overrun: float = 2.0
+    # catch-up tokens priced per request when no TPOT SLO binds (None: all of them)
+    lag_cap: float | None = 1.0
+    correct_cost: bool = True  # correct the profile online from measured step times
+    score_prefill: bool = False  # True: the paper's E over the whole step, prefill included
+    small_batch: int = SMALL_BATCH  # at most this many requests: plans on Python floats
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.ema <= 1.0:
+            raise ValueError(f"ema must be in (0, 1], got {self.ema}")
+        if not 0.0 <= self.prior <= 1.0:
+            raise ValueError(f"prior must be in [0, 1], got {self.prior}")
+        if self.overrun_window < 1 or self.initial_overrun < 1.0:
+            raise ValueError("overrun_window must be >= 1 and initial_overrun >= 1")

@@ -1,0 +1,171 @@
+"""SpecServe: adaptive drafter + confidence-prior verifier + SLO-aware estimator.
+
+`specserve-drafter` is the paper's "SpecServe-" ablation (Table 2): the adaptive drafter
+alone, verifying every drafted token. `specserve` adds the confidence-prior verifier
+(Alg. 2), which trims low-probability draft tails per request before the verify forward.
+
+The policy holds what is learned across steps; each step's decisions live in its plan
+(plan.py, small_plan.py):
+    g          the confidence -> acceptance calibration map (one per policy, i.e. per pair)
+    history    each live request's EMA of g(c), its prediction of the next acceptance
+    prior      a global EMA of the predictions: what a new request starts from
+    correction the online scales of the profiled cost model (estimator/online_cost.py)
+    guard      how far steps ran over the cost model lately (overrun.py)
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from sloserve.estimator.acceptance import ConfidenceCalibrator
+from sloserve.estimator.cost_model import CostModel
+from sloserve.estimator.online_cost import StepCostCorrection
+from sloserve.estimator.step_time import draft_time
+from sloserve.policies.request_table import RequestTable
+from sloserve.policies.specserve.options import CALIBRATE_EVERY, PRIOR_EMA, SpecServeOptions
+from sloserve.policies.specserve.overrun import OverrunGuard
+from sloserve.policies.specserve.plan import PlanInputs, Prices, SpecServePlan
+from sloserve.policies.specserve.small_plan import SmallSpecServePlan
+from sloserve.speculation import SpecPlan, SpecPolicy, StepInfo, VerifyOutcome
+
+
+class SpecServePolicy(SpecPolicy):
+    """SLO-aware adaptive speculation; `verifier=False` gives the drafter-only ablation.
+    Options: a SpecServeOptions, or its fields as keywords (`prior=0.8`)."""
+
+    def __init__(
+        self,
+        cost: CostModel,
+        k_max: int,
+        *,
+        verifier: bool = True,
+        calibrator: ConfidenceCalibrator | None = None,
+        options: SpecServeOptions | None = None,
+        **option_fields: Any,
+    ) -> None:
+        if k_max < 0:
+            raise ValueError(f"k_max must be >= 0, got {k_max}")
+        self.options = opts = replace(options or SpecServeOptions(), **option_fields)
+        self.profile_cost = cost
+        self.k_max = k_max
+        self.verifier = verifier
+        self.name = "specserve" if verifier else "specserve-drafter"
+        self.g = calibrator or ConfidenceCalibrator()
+        self.history = RequestTable()
+        self.prior = opts.prior
+        self.correction = StepCostCorrection() if opts.correct_cost else None
+        self.prices = Prices(cost)
+        self.guard = OverrunGuard(opts.overrun_window, opts.initial_overrun)
+        self._outcomes: list[tuple] = []  # verify outcomes not counted into g yet
+        self._shape_arrays: tuple[np.ndarray, np.ndarray] = (np.zeros(0), np.zeros(0))
+
+    @property
+    def calibrator(self) -> ConfidenceCalibrator:
+        return self.g
+
+    def seed_calibration(self, counts: np.ndarray) -> None:
+        """Start the calibration map from the pair's offline one (the profile's)."""
+        self.g.seed(counts)
+
+    # ----- the protocol
+    def plan(self, step: StepInfo) -> SpecPlan:
+        B = step.batch_size
+        ones, counts = self._shape_arrays
+        if ones.size != B:
+            ones, counts = self._shape_arrays = np.ones(B), np.arange(1.0, B + 1.0)
+        inputs = PlanInputs(self._current_prices(), self.g, self.options, self.k_max,
+                            self.guard.scale, self.verifier, ones, counts)
+        slots = self.history.slots(step.request_ids, fill=self.prior)
+        pred = self.history.values[slots]  # fancy index: a copy the plan owns
+        if B <= self.options.small_batch:
+            return SmallSpecServePlan(step, slots, pred, inputs)
+        return SpecServePlan(step, slots, pred, inputs)
+
+    def observe(self, plan: SpecPlan, outcome: VerifyOutcome) -> None:
+        """Calibrate g, keep the per-request histories, refresh the global prior, correct
+        the prices and track how much longer steps ran than the cost model said."""
+        assert isinstance(plan, SpecServePlan)
+        # calibration outcomes are counted a few steps at a time (options.py)
+        self._outcomes.append((outcome.confidences, outcome.verified, outcome.accepted))
+        if len(self._outcomes) >= CALIBRATE_EVERY:
+            for conf, verified, accepted in self._outcomes:
+                self.g.update(conf, verified, accepted)
+            self._outcomes.clear()
+        step = plan.step
+        if outcome.step_time > 0.0:
+            predicted, drafting = self._predicted(plan, outcome)
+            if self.correction is not None and not step.prefill_tokens:
+                self._correct_prices(plan, outcome, predicted, drafting)
+            # overruns matter only to the SLO rule: measured on steps with an SLO
+            if plan.slo < float("inf"):
+                measured = not step.prefill_tokens and predicted > 0.0
+                self.guard.record(outcome.step_time / predicted if measured else 1.0)
+        if step.batch_size:
+            # (a request released during the step writes a free slot: refilled on reuse)
+            self.history.values[plan.slots] = plan.predictions()
+            # the prior follows the mean prediction over the live requests
+            self.prior += PRIOR_EMA * (plan.mean_prediction() - self.prior)
+
+    def release(self, request_id: str) -> None:
+        self.history.release(request_id)
+
+    # ----- prices
+    def _current_prices(self) -> Prices:
+        """The profile with the correction's current scales (rebuilt when they moved)."""
+        corr, prices = self.correction, self.prices
+        if corr is None:
+            return prices
+        overhead = corr.overhead
+        if (corr.theta_target, corr.theta_draft) != (prices.theta_target, prices.theta_draft) \
+                or overhead != self._overhead_seen:
+            c = self.profile_cost
+            t = corr.theta_target
+            cost = CostModel(c.target.scaled(t), c.draft.scaled(corr.theta_draft),
+                             c.overhead * t if overhead is None else overhead)
+            self.prices = prices = Prices(cost, t, corr.theta_draft)
+            self._overhead_seen = overhead
+        return prices
+
+    _overhead_seen: float | None = None
+
+    def _predicted(self, plan: SpecServePlan, outcome: VerifyOutcome) -> tuple[float, float | None]:
+        """The step time the prices predicted for what ran, and its drafting seconds when
+        known without computing them."""
+        timer = plan.timer
+        n_drafted = int(outcome.drafted.sum())
+        if not n_drafted:
+            return timer.plain, 0.0
+        if n_drafted == plan.k_total:
+            # the caller drafted exactly the plan (it can only draft a subset of it): its
+            # time is known, less the verify tokens that elimination removed
+            tt = timer.token_time  # (verify_extra on Python floats)
+            planned_verify = tt * timer.paid_verify(n_drafted)
+            drafting = plan.time - timer.plain - planned_verify
+            predicted = plan.time - planned_verify + tt * timer.paid_verify(
+                int(outcome.verified.sum()))
+            return predicted, drafting
+        return timer.plan(outcome.drafted, outcome.verified), None
+
+    def _correct_prices(self, plan: SpecServePlan, outcome: VerifyOutcome, predicted: float,
+                        drafting: float | None) -> None:
+        """Feed the correction this step in profile seconds (its features). Steps with
+        prefill chunks stay out: their time is mostly the prefill, priced apart, whose error
+        the fit would spread over the speculation scales."""
+        assert self.correction is not None
+        timer, prices = plan.timer, plan.inputs.prices
+        if drafting is None:
+            drafting = draft_time(prices.cost.draft, timer.n, timer.lag, outcome.drafted)
+        verify = max(0.0, predicted - timer.plain - drafting) / prices.theta_target
+        if outcome.verify_time is not None:  # the target forward measured apart
+            c = self.profile_cost
+            self.correction.observe(
+                c.target.time(timer.verify_ctx, timer.verify_q0) + verify,
+                drafting / prices.theta_draft, outcome.step_time, outcome.draft_time,
+                measured_target=outcome.verify_time, overhead=c.overhead)
+        else:
+            self.correction.observe(timer.plain / prices.theta_target + verify,
+                                    drafting / prices.theta_draft, outcome.step_time,
+                                    outcome.draft_time)
