@@ -9,11 +9,12 @@ import xgrammar as xgr
 
 from sloserve.runtime.constraints import CompiledGrammar, RequestConstraints
 from sloserve.runtime.constraints.bitmask import allocate, to_bool
+from sloserve.runtime.constraints.byte_guard import BOUND
 
 
 def reference_masks(grammar: CompiledGrammar, tokens: Sequence[int]) -> torch.Tensor:
     """[len(tokens) + 1, V] bool: a fresh xgrammar matcher stepped token by token, the mask read
-    before each token and after the last."""
+    before each token and after the last (ANDed with the grammar's byte guard)."""
     m = xgr.GrammarMatcher(grammar.compiled)
     bm = allocate(len(tokens) + 1, grammar.vocab_size)
     for j, t in enumerate(tokens):
@@ -23,6 +24,12 @@ def reference_masks(grammar: CompiledGrammar, tokens: Sequence[int]) -> torch.Te
         bm[len(tokens)].fill_(-1)
     else:
         m.fill_next_token_bitmask(bm, len(tokens))
+    if grammar.guard is not None:  # the guard's DFA walked over the same tokens
+        state = BOUND
+        for j in range(len(tokens) + (0 if m.is_terminated() else 1)):
+            bm[j] &= grammar.guard.masks[state]
+            if j < len(tokens):
+                state = grammar.guard.next(state, tokens[j])
     return to_bool(bm, grammar.vocab_size)
 
 

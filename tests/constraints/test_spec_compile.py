@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from sloserve.runtime.constraints import GrammarSpec, GrammarState, grammar_spec
 from sloserve.runtime.constraints.spec import JSON_OBJECT_SCHEMA
@@ -113,3 +114,43 @@ def test_masks_cover_the_model_vocabulary(compiler, tokenizer, vocab):
     st.commit(tokenizer.encode("ab", add_special_tokens=False))
     allowed = st.allowed()
     assert allowed[eos] and not allowed[len(tokenizer):].any()
+
+
+def test_bitmask_packing_round_trips():
+    from sloserve.runtime.constraints.bitmask import from_bool, to_bool
+
+    g = torch.Generator().manual_seed(0)
+    for V in (1, 31, 32, 33, 100, 2088):
+        allowed = torch.rand(3, V, generator=g) < 0.5
+        allowed[0, -1] = True  # the sign bit of the last word in use
+        assert torch.equal(to_bool(from_bool(allowed), V), allowed)
+
+
+def test_json_schemas_never_allow_raw_control_bytes(compiler, tokenizer):
+    """xgrammar 0.2.7 lets a maxLength string take raw control characters (xgrammar issue #800);
+    the byte guard removes them, so the output always parses."""
+    import xgrammar as xgr
+
+    from sloserve.runtime.constraints.bitmask import allocate, to_bool
+
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 5}}}
+    g = compiler.compile(grammar_spec(json_schema=json.dumps(schema)))
+    prefix = tokenizer.encode('{"s": "a', add_special_tokens=False)
+    tab = tokenizer.convert_tokens_to_ids("\u0109")  # byte-level BPE spelling of b"\t"
+    assert compiler.info.decoded_vocab[tab] == b"\t"
+    m = xgr.GrammarMatcher(g.compiled)  # bare xgrammar: the tab is allowed inside the string
+    assert all(m.accept_token(t) for t in prefix)
+    bm = allocate(1, g.vocab_size)
+    m.fill_next_token_bitmask(bm)
+    assert to_bool(bm, g.vocab_size)[0, tab]
+    st = GrammarState(g)
+    st.commit(prefix)
+    allowed = st.allowed()
+    assert not allowed[tab] and allowed[tokenizer.convert_tokens_to_ids('"')]
+    controls = [i for i, b in enumerate(compiler.info.decoded_vocab)
+                if any(c < 0x20 and c not in (0x0A, 0x0D) for c in b)]
+    assert controls and not allowed[controls].any()
+    # outside JSON a tab is text like any other: a regex asking for one gets it
+    st = GrammarState(compiler.compile(grammar_spec(regex="a\tb")))
+    st.commit(tokenizer.encode("a", add_special_tokens=False))
+    assert st.allowed()[tab]

@@ -31,3 +31,12 @@ def apply_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     [R, W] int32 with W * 32 >= V (the tail bits past V are ignored)."""
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1])
     return logits
+
+
+def from_bool(allowed: torch.Tensor) -> torch.Tensor:
+    """[..., V] bool -> [..., words(V)] int32 (the inverse of to_bool)."""
+    V = allowed.shape[-1]
+    pad = words(V) * 32 - V
+    bits = torch.nn.functional.pad(allowed.long(), (0, pad)).reshape(*allowed.shape[:-1], -1, 32)
+    w = (bits << _SHIFTS.long()).sum(dim=-1)  # [..., W] in [0, 2**32)
+    return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)  # two's complement

@@ -7,6 +7,9 @@ EOS ids (as SGLang passes them): once the grammar is complete, only they are all
 
 Compiled grammars are cached by (kind, text) in a bounded LRU (xgrammar's own cache is off so
 nothing is held twice). Invalid grammars raise InvalidRequest naming the request field.
+
+Every grammar carries a ByteGuard (byte_guard.py) that keeps the output valid UTF-8, and for
+JSON schemas free of raw control bytes: xgrammar 0.2.7 lets both through in places.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 
 import xgrammar as xgr
 
+from sloserve.runtime.constraints.byte_guard import ByteGuard
 from sloserve.runtime.constraints.spec import GrammarSpec
 from sloserve.runtime.request import InvalidRequest
 
@@ -27,11 +31,12 @@ _LOG_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 _CHECK_PREFIX = re.compile(r"^Check failed: .*? is false:\s*")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class CompiledGrammar:
     spec: GrammarSpec
     vocab_size: int  # the model's vocabulary: masks cover [0, vocab_size)
     compiled: xgr.CompiledGrammar
+    guard: ByteGuard | None = None  # ANDed into every mask xgrammar fills
 
 
 class GrammarCompiler:
@@ -51,6 +56,7 @@ class GrammarCompiler:
         self._xgr = xgr.GrammarCompiler(tokenizer_info, max_threads=max_threads, cache_enabled=False)
         self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
+        self._guards: dict[bool, ByteGuard] = {}
         self._lock = threading.Lock()  # the server may compile off the engine thread
 
     @classmethod
@@ -73,12 +79,22 @@ class GrammarCompiler:
             if hit is not None:
                 self._cache.move_to_end(spec.key)
                 return hit
-        compiled = CompiledGrammar(spec, self.vocab_size, self._compile(spec))
+        guard = self.byte_guard(json=spec.kind == "json_schema")
+        compiled = CompiledGrammar(spec, self.vocab_size, self._compile(spec), guard)
         with self._lock:
             self._cache[spec.key] = compiled
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return compiled
+
+    def byte_guard(self, json: bool) -> ByteGuard:
+        """The UTF-8 guard (JSON variant: no raw control bytes either), built once per kind."""
+        guard = self._guards.get(json)
+        if guard is None:
+            passthrough = [*self.info.special_token_ids, *self.info.stop_token_ids]
+            guard = ByteGuard(self.info.decoded_vocab, self.vocab_size, passthrough, json)
+            self._guards[json] = guard
+        return guard
 
     def cache_len(self) -> int:
         return len(self._cache)

@@ -9,6 +9,11 @@ O(1) matcher calls per token: no replay of the output, no copy of the matcher.
 
 After the grammar terminates (a stop token accepted) the output is unconstrained, as in SGLang:
 masks allow every token and later tokens are recorded but not matched.
+
+The grammar's ByteGuard (byte_guard.py) is part of the grammar here: its mask is ANDed into every
+row xgrammar fills and `push` rejects what it forbids, so masks and pushes always agree. Should
+the AND ever leave no token (a grammar that can only continue with malformed bytes), the guard is
+switched off for the rest of the request rather than leave an empty mask.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 import xgrammar as xgr
 
 from sloserve.runtime.constraints.bitmask import ALL_ALLOWED, allocate, to_bool
+from sloserve.runtime.constraints.byte_guard import BOUND, REJECT
 from sloserve.runtime.constraints.compiler import CompiledGrammar
 
 
@@ -33,6 +39,8 @@ class GrammarState:
         self._m = xgr.GrammarMatcher(grammar.compiled)
         self._tokens: list[int] = []  # committed tokens, then tentative ones
         self._steps: list[int] = []  # per token: 1 if the matcher took it, 0 if after termination
+        self._u8: list[int] = []  # per token: the byte guard's DFA state after it
+        self._guard = grammar.guard
         self._committed = 0
         # _masks[j]: the mask of tentative position j (after committed + j tentative tokens),
         # meaningful only where _have[j]; [rows, W] int32
@@ -85,14 +93,21 @@ class GrammarState:
     # ----- speculation
     def push(self, token: int) -> bool:
         """Accept a draft token tentatively; False (state unchanged) if the grammar forbids it."""
+        token = int(token)
+        state = self._u8[-1] if self._u8 else BOUND
         if self._m.is_terminated():
             step = 0
-        elif self._m.accept_token(int(token)):
-            step = 1
         else:
-            return False
-        self._tokens.append(int(token))
+            if self._guard is not None:
+                state = self._guard.next(state, token)
+                if state == REJECT:
+                    return False
+            if not self._m.accept_token(token):
+                return False
+            step = 1
+        self._tokens.append(token)
         self._steps.append(step)
+        self._u8.append(state)
         return True
 
     def drop_drafts(self) -> None:
@@ -154,7 +169,7 @@ class GrammarState:
         if n <= 0:
             return
         steps = sum(self._steps[-n:])
-        del self._tokens[-n:], self._steps[-n:]
+        del self._tokens[-n:], self._steps[-n:], self._u8[-n:]
         if steps:
             self._m.rollback(steps)
         self._invalidate(max(0, self.num_tentative + 1))
@@ -170,6 +185,12 @@ class GrammarState:
             self._masks[j].fill_(ALL_ALLOWED)
         else:
             self._m.fill_next_token_bitmask(self._masks, j)
+            if self._guard is not None:
+                row = self._masks[j]
+                row &= self._guard.masks[self._u8[-1] if self._u8 else BOUND]
+                if not bool(row.any()):  # nothing well-formed left: trust the grammar alone
+                    self._guard = None
+                    self._m.fill_next_token_bitmask(self._masks, j)
         self._have[j] = True
 
     def _reserve(self, rows: int) -> None:
