@@ -14,8 +14,8 @@ multiplicative repetition term. (vLLM scales first; the two differ only when bot
 Position-dependence under speculation: the row of verified position j follows draft tokens
 0..j-1, so its output counts are the committed output's plus those drafts. `apply_penalties`
 does the whole [R, V] block in one vectorised pass: a broadcast of the committed counts' penalty
-over every row, then an exact fix-up of the few (row, draft token) entries the drafts change
-(O(R * k) scalars, never O(R * V) counts).
+(as [V] vectors computed once per step) over every row, then an exact fix-up of the few
+(row, draft token) entries the drafts change (O(R * k) scalars, never O(R * V) counts).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -75,6 +76,7 @@ class TokenCounts:
         if len(prompt_ids):
             self.in_prompt[torch.as_tensor(list(prompt_ids), dtype=torch.long)] = True
         self.num_output = 0
+        self._cached: tuple[PenaltyParams, _Vectors] | None = None
 
     def add(self, tokens: Sequence[int]) -> None:
         """Commit emitted output tokens (in order; repeats count)."""
@@ -83,11 +85,27 @@ class TokenCounts:
         idx = torch.as_tensor(list(tokens), dtype=torch.long)
         self.counts.index_add_(0, idx, torch.ones(len(idx)))
         self.num_output += len(idx)
+        self._cached = None
+
+    def vectors(self, params: PenaltyParams) -> _Vectors:
+        """The committed counts' penalty as [V] vectors, computed once per step (the verify and
+        every draft row of the step share them)."""
+        if self._cached is None or self._cached[0] != params:
+            c = self.counts
+            sub = params.frequency_penalty * c + params.presence_penalty * (c > 0)
+            p = params.repetition_penalty
+            seen = self.in_prompt | (c > 0)
+            one = torch.ones_like(c)
+            self._cached = (params, _Vectors(
+                sub, torch.where(seen, 1.0 / p, one), torch.where(seen, p, one)
+            ))
+        return self._cached[1]
 
 
-def _scale(x: torch.Tensor, p: float) -> torch.Tensor:
-    """The repetition penalty's transform of logits x (divide positive, multiply the rest)."""
-    return torch.where(x > 0, x / p, x * p)
+class _Vectors(NamedTuple):
+    sub: torch.Tensor  # [V] additive penalty: f * n + r * [n > 0]
+    pos: torch.Tensor  # [V] factor for positive logits: 1 / p where seen, else 1
+    neg: torch.Tensor  # [V] factor for the others: p where seen, else 1
 
 
 def apply_penalties(
@@ -97,7 +115,7 @@ def apply_penalties(
     drafts: Sequence[int],  # the step's draft tokens; row r follows drafts[:first + r]
     first: int = 0,
 ) -> torch.Tensor:
-    """Penalised logits [R, V] (a new tensor; `logits` is untouched).
+    """Penalised logits [R, V] (a new tensor, or `logits` itself when no penalty is on).
 
     Verify: logits [k + 1, V], drafts the k verified tokens, first 0. A draft-model row at draft
     position j: logits [1, V], drafts[:j] (at least), first j.
@@ -105,30 +123,34 @@ def apply_penalties(
     if not params.penalizes:
         return logits
     R = logits.shape[0]
-    f, r, p = params.frequency_penalty, params.presence_penalty, params.repetition_penalty
-    c = stats.counts  # [V]
-    out = logits - (f * c + r * (c > 0))  # additive terms, broadcast over rows
-    if p != 1.0:
-        seen = stats.in_prompt | (c > 0)  # [V]
-        out = torch.where(seen, _scale(out, p), out)
+    vec = stats.vectors(params)
+    out = logits - vec.sub  # additive terms, broadcast over rows
+    if params.repetition_penalty != 1.0:
+        out *= torch.where(out > 0, vec.pos, vec.neg)
     n = first + R - 1  # drafts that precede the last row
     if n <= 0:
         return out
     if len(drafts) < n:
         raise ValueError(f"rows up to position {n} need {n} draft tokens, got {len(drafts)}")
-    d = torch.as_tensor(list(drafts[:n]), dtype=torch.long)  # [n]
-    # before[r, i]: draft i precedes row r; same[i, i2]: drafts i and i2 are the same token
-    before = torch.arange(n)[None, :] < (first + torch.arange(R))[:, None]  # [R, n]
-    same = (d[:, None] == d[None, :]).float()  # [n, n]
-    # total output count of token d[i] as row r sees it: committed + drafts before row r
-    cnt = c[d][None, :] + before.float() @ same  # [R, n]
-    rows, cols = before.nonzero(as_tuple=True)  # the (row, draft) pairs a draft changes
-    tok = d[cols]
-    val = logits[rows, tok] - f * cnt[rows, cols] - r * (cnt[rows, cols] > 0)
-    if p != 1.0:
-        val = _scale(val, p)  # the token is in the output, so always seen
-    # duplicate (row, token) pairs carry identical values, so the write order does not matter
-    out[rows, tok] = val
+    # the (row, token) entries the drafts change: at most k (k + 1) / 2 of them
+    d = [int(t) for t in drafts[:n]]
+    rows, toks, extra = [], [], []
+    for r in range(R):
+        seen: dict[int, int] = {}
+        for i in range(first + r):
+            seen[d[i]] = seen.get(d[i], 0) + 1
+        for t, m in seen.items():
+            rows.append(r)
+            toks.append(t)
+            extra.append(m)
+    # the same float32 operations as the broadcast above, so an entry's value does not depend on
+    # whether its token was committed or drafted (greedy speculation equals plain decoding)
+    cnt = stats.counts[toks] + torch.tensor(extra, dtype=torch.float32)  # [m]
+    x = logits[rows, toks] - (params.frequency_penalty * cnt + params.presence_penalty * (cnt > 0))
+    if params.repetition_penalty != 1.0:  # a drafted token is in the output: always seen
+        p = params.repetition_penalty
+        x *= torch.where(x > 0, torch.tensor(1.0 / p), torch.tensor(p))
+    out[rows, toks] = x
     return out
 
 
