@@ -13,9 +13,10 @@ multiplicative repetition term. (vLLM scales first; the two differ only when bot
 
 Position-dependence under speculation: the row of verified position j follows draft tokens
 0..j-1, so its output counts are the committed output's plus those drafts. `apply_penalties`
-does the whole [R, V] block in one vectorised pass: a broadcast of the committed counts' penalty
-(as [V] vectors computed once per step) over every row, then an exact fix-up of the few
-(row, draft token) entries the drafts change (O(R * k) scalars, never O(R * V) counts).
+does the whole [R, V] block in one vectorised pass: the committed counts' penalty on the columns
+of the tokens seen so far (computed once per step) for every row, then an exact fix-up of the
+few (row, draft token) entries the drafts change. Only those columns are touched, so the cost
+does not grow with the vocabulary beyond one copy of the rows.
 """
 
 from __future__ import annotations
@@ -65,47 +66,50 @@ class TokenCounts:
     """A request's committed token statistics, updated once per step by `add`.
 
     counts: [V] float32, occurrences of each token in the committed output;
-    in_prompt: [V] bool, tokens of the prompt (for the repetition penalty);
+    seen: the distinct tokens of prompt + output, in order of first appearance (the only columns
+    a penalty changes: every other token has count 0 and is not in the prompt);
     num_output: committed output length (for min_new_tokens).
     """
 
     def __init__(self, vocab_size: int, prompt_ids: Sequence[int] = ()):
         self.vocab_size = vocab_size
         self.counts = torch.zeros(vocab_size, dtype=torch.float32)
-        self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool)
-        if len(prompt_ids):
-            self.in_prompt[torch.as_tensor(list(prompt_ids), dtype=torch.long)] = True
+        self.seen: dict[int, int] = {}  # token -> its column among the seen tokens
+        for t in prompt_ids:
+            self.seen.setdefault(int(t), len(self.seen))
         self.num_output = 0
-        self._cached: tuple[PenaltyParams, _Vectors] | None = None
+        self._cached: tuple[PenaltyParams, _Columns] | None = None
 
     def add(self, tokens: Sequence[int]) -> None:
         """Commit emitted output tokens (in order; repeats count)."""
         if not len(tokens):
             return
-        idx = torch.as_tensor(list(tokens), dtype=torch.long)
-        self.counts.index_add_(0, idx, torch.ones(len(idx)))
-        self.num_output += len(idx)
+        toks = [int(t) for t in tokens]
+        self.counts.index_add_(0, torch.tensor(toks), torch.ones(len(toks)))
+        self.num_output += len(toks)
+        for t in toks:
+            self.seen.setdefault(t, len(self.seen))
         self._cached = None
 
-    def vectors(self, params: PenaltyParams) -> _Vectors:
-        """The committed counts' penalty as [V] vectors, computed once per step (the verify and
+    def columns(self, params: PenaltyParams) -> _Columns:
+        """The seen columns and their committed penalty, computed once per step (the verify and
         every draft row of the step share them)."""
         if self._cached is None or self._cached[0] != params:
-            c = self.counts
-            sub = params.frequency_penalty * c + params.presence_penalty * (c > 0)
-            p = params.repetition_penalty
-            seen = self.in_prompt | (c > 0)
-            one = torch.ones_like(c)
-            self._cached = (params, _Vectors(
-                sub, torch.where(seen, 1.0 / p, one), torch.where(seen, p, one)
-            ))
+            cols = torch.tensor(list(self.seen), dtype=torch.long)
+            c = self.counts[cols]
+            self._cached = (params, _Columns(cols, c, _additive(params, c)))
         return self._cached[1]
 
 
-class _Vectors(NamedTuple):
-    sub: torch.Tensor  # [V] additive penalty: f * n + r * [n > 0]
-    pos: torch.Tensor  # [V] factor for positive logits: 1 / p where seen, else 1
-    neg: torch.Tensor  # [V] factor for the others: p where seen, else 1
+class _Columns(NamedTuple):
+    cols: torch.Tensor  # [S] long, the seen tokens
+    counts: torch.Tensor  # [S] float32, their committed output counts
+    sub: torch.Tensor  # [S] float32, their additive penalty
+
+
+def _additive(params: PenaltyParams, n: torch.Tensor) -> torch.Tensor:
+    """f * n + r * [n > 0] for output counts n (any shape, float32)."""
+    return params.frequency_penalty * n + params.presence_penalty * (n > 0)
 
 
 def apply_penalties(
@@ -118,39 +122,44 @@ def apply_penalties(
     """Penalised logits [R, V] (a new tensor, or `logits` itself when no penalty is on).
 
     Verify: logits [k + 1, V], drafts the k verified tokens, first 0. A draft-model row at draft
-    position j: logits [1, V], drafts[:j] (at least), first j.
+    position j: logits [1, V], drafts[:j] (at least), first j. Only the columns of tokens seen
+    so far (and the drafts) are computed: O(R * (S + k)) after one copy of the rows.
     """
     if not params.penalizes:
         return logits
     R = logits.shape[0]
-    vec = stats.vectors(params)
-    out = logits - vec.sub  # additive terms, broadcast over rows
-    if params.repetition_penalty != 1.0:
-        out *= torch.where(out > 0, vec.pos, vec.neg)
     n = first + R - 1  # drafts that precede the last row
-    if n <= 0:
-        return out
-    if len(drafts) < n:
+    if n > 0 and len(drafts) < n:
         raise ValueError(f"rows up to position {n} need {n} draft tokens, got {len(drafts)}")
-    # the (row, token) entries the drafts change: at most k (k + 1) / 2 of them
-    d = [int(t) for t in drafts[:n]]
-    rows, toks, extra = [], [], []
-    for r in range(R):
-        seen: dict[int, int] = {}
-        for i in range(first + r):
-            seen[d[i]] = seen.get(d[i], 0) + 1
-        for t, m in seen.items():
-            rows.append(r)
-            toks.append(t)
-            extra.append(m)
-    # the same float32 operations as the broadcast above, so an entry's value does not depend on
-    # whether its token was committed or drafted (greedy speculation equals plain decoding)
-    cnt = stats.counts[toks] + torch.tensor(extra, dtype=torch.float32)  # [m]
-    x = logits[rows, toks] - (params.frequency_penalty * cnt + params.presence_penalty * (cnt > 0))
-    if params.repetition_penalty != 1.0:  # a drafted token is in the output: always seen
-        p = params.repetition_penalty
-        x *= torch.where(x > 0, torch.tensor(1.0 / p), torch.tensor(p))
-    out[rows, toks] = x
+    d = [int(t) for t in drafts[: max(n, 0)]]
+    col = stats.columns(params)
+    cols, counts, sub = col.cols, col.counts, col.sub  # [S]: the committed view
+    if d:
+        where = dict(stats.seen)
+        new = [t for t in dict.fromkeys(d) if t not in where]  # drafted, never seen before
+        if new:
+            for t in new:
+                where[t] = len(where)
+            cols = torch.cat([cols, torch.tensor(new)])
+            counts = torch.cat([counts, torch.zeros(len(new))])
+        # extra[r, s]: times column s's token was drafted before row r
+        pairs = torch.tensor([(r, where[t]) for r in range(R) for t in d[: first + r]])  # [m, 2]
+        extra = torch.zeros(R, len(cols)).index_put_(
+            (pairs[:, 0], pairs[:, 1]), torch.ones(len(pairs)), accumulate=True)
+        # the same float32 formula as the committed `sub`: a value does not depend on whether
+        # its token was committed or drafted (greedy speculation equals plain decoding)
+        sub = _additive(params, counts + extra)  # [R, S']
+    out = logits.clone()
+    if len(cols):
+        x = logits[:, cols] - sub  # [R, S']
+        if params.repetition_penalty != 1.0:
+            p = params.repetition_penalty  # factor 1 / p (positive logits) or p, in float32
+            factor = torch.where(x > 0, 1.0 / p, p)
+            S = len(col.cols)
+            if len(cols) > S:  # a new column is seen only from the row after its first draft
+                factor[:, S:] = torch.where(extra[:, S:] > 0, factor[:, S:], 1.0)
+            x *= factor
+        out[:, cols] = x
     return out
 
 

@@ -31,3 +31,16 @@ def compiler_compact(tokenizer, vocab) -> GrammarCompiler:
     """JSON without free whitespace: shorter random walks."""
     return GrammarCompiler.from_hf(tokenizer, vocab, [tokenizer.eos_token_id], any_whitespace=False)
 
+
+
+@pytest.fixture(autouse=True)
+def _one_intra_op_thread():
+    """These tests run thousands of tiny [k + 1, V] ops; on a loaded 2-core machine two intra-op
+    threads make each multi-row softmax wait milliseconds at an OpenMP barrier. Results do not
+    depend on the thread count."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -45,6 +46,9 @@ class GrammarState:
         # _masks[j]: the mask of tentative position j (after committed + j tentative tokens),
         # meaningful only where _have[j]; [rows, W] int32
         self._masks = allocate(max_draft + 1, self.vocab_size)
+        self._np = self._masks.numpy()  # the same memory: numpy for the [W]-word row work
+        # per DFA state, the guard's [W] words (numpy: an AND of 64 words is 1 us, not 5)
+        self._guard_np = None if grammar.guard is None else grammar.guard.masks.numpy()
         self._have = [False] * (max_draft + 1)
 
     # ----- plain state
@@ -136,7 +140,7 @@ class GrammarState:
         if not self._have[n_valid]:
             self._fill(n_valid)
         for j in range(n_valid + 1, k + 1):
-            self._masks[j].fill_(ALL_ALLOWED)
+            self._np[j] = ALL_ALLOWED
             self._have[j] = False
         return self._masks[: k + 1], n_valid
 
@@ -181,15 +185,15 @@ class GrammarState:
     def _fill(self, j: int) -> None:
         """Row j := the mask of the current position, which must be tentative position j."""
         assert j == self.num_tentative, (j, self.num_tentative)
+        row = self._np[j]
         if self._m.is_terminated():
-            self._masks[j].fill_(ALL_ALLOWED)
+            row[:] = ALL_ALLOWED
         else:
             self._m.fill_next_token_bitmask(self._masks, j)
-            if self._guard is not None:
-                row = self._masks[j]
-                row &= self._guard.masks[self._u8[-1] if self._u8 else BOUND]
-                if not bool(row.any()):  # nothing well-formed left: trust the grammar alone
-                    self._guard = None
+            if self._guard_np is not None:
+                np.bitwise_and(row, self._guard_np[self._u8[-1] if self._u8 else BOUND], out=row)
+                if not row.any():  # nothing well-formed left: trust the grammar alone
+                    self._guard = self._guard_np = None
                     self._m.fill_next_token_bitmask(self._masks, j)
         self._have[j] = True
 
@@ -198,4 +202,4 @@ class GrammarState:
             grown = allocate(max(rows, 2 * self._masks.shape[0]), self.vocab_size)
             grown[: self._masks.shape[0]] = self._masks
             self._have += [False] * (grown.shape[0] - len(self._have))
-            self._masks = grown
+            self._masks, self._np = grown, grown.numpy()
