@@ -120,3 +120,18 @@ def test_greedy_check_can_fail():
         wrong = toy.spec_decode(rc, None, 4, max_new=10, target_fn=toy.stale_target(rc))
         differ += wrong != plain
     assert differ > 0
+
+
+def test_confidence_is_the_processed_probability():
+    comp = toy.compiler()
+    pen = PenaltyParams(frequency_penalty=0.5)
+    logits = torch.randn(toy.V, generator=torch.Generator().manual_seed(3))
+    for sp in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.5, top_k=2)):
+        rc = toy.make("[ab]+", sp, pen, comp)
+        rc.commit([0])
+        pr = rc.draft(logits, [])
+        t = pr.argmax[0]
+        want = (torch.softmax(pr.logits[0], -1)[t] if sp.greedy
+                else processed_probs(pr.logits, [sp])[0, t])
+        assert pr.confidence(0, t) == pytest.approx(float(want))
+        assert pr.confidence(0, 5) == 0.0  # "c": outside the grammar

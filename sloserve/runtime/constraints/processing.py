@@ -38,6 +38,14 @@ class Processed:
     argmax: list[int]  # [R] argmax of logits: the greedy choice per row
     n_valid: int  # drafts the grammar accepts (target rows; len(drafts) without a grammar)
 
+    def confidence(self, row: int, token: int) -> float:
+        """A draft token's confidence for the controller, from the processed distribution: its
+        probability (sampling) or the softmax of the processed logits (greedy, temperature 1,
+        as the unconstrained greedy drafter reports)."""
+        if self.probs is not None:
+            return float(self.probs[row, token])
+        return float(torch.softmax(self.logits[row], dim=-1)[token])
+
 
 def mask_stop_tokens(logits: torch.Tensor, rows: int, stop_ids: torch.Tensor) -> None:
     """min_new_tokens, in place: stop_ids -> -inf on the first `rows` rows of logits [R, V],
