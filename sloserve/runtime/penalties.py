@@ -4,8 +4,9 @@ Definitions (SGLang's penaltylib and vLLM agree on each term; the OpenAI API def
 two):
 - frequency_penalty f: logit[t] -= f * n_out(t), n_out(t) = times t occurs in the output;
 - presence_penalty r: logit[t] -= r * [n_out(t) > 0];
-- repetition_penalty p (HF / vLLM / SGLang before its speculative rewrite): for every t in
-  prompt + output, logit[t] / p if logit[t] > 0 else logit[t] * p;
+- repetition_penalty p (HF and vLLM; SGLang's penaltylib counted the prompt in older versions,
+  only the output in its current one): for every t in prompt + output, logit[t] / p if
+  logit[t] > 0 else logit[t] * p;
 - min_new_tokens m: while the output holds fewer than m tokens, EOS and stop_token_ids are
   forbidden (-inf).
 Order, as SGLang's `apply_logits_bias`: the additive terms (frequency, presence), then the
@@ -135,15 +136,14 @@ def apply_penalties(
     col = stats.columns(params)
     cols, counts, sub = col.cols, col.counts, col.sub  # [S]: the committed view
     if d:
-        where = dict(stats.seen)
-        new = [t for t in dict.fromkeys(d) if t not in where]  # drafted, never seen before
+        seen = stats.seen  # token -> column
+        new = [t for t in dict.fromkeys(d) if t not in seen]  # drafted, never seen before
+        col_of = {t: seen[t] for t in d if t in seen} | {t: len(seen) + i for i, t in enumerate(new)}
         if new:
-            for t in new:
-                where[t] = len(where)
             cols = torch.cat([cols, torch.tensor(new)])
             counts = torch.cat([counts, torch.zeros(len(new))])
         # extra[r, s]: times column s's token was drafted before row r
-        pairs = torch.tensor([(r, where[t]) for r in range(R) for t in d[: first + r]])  # [m, 2]
+        pairs = torch.tensor([(r, col_of[t]) for r in range(R) for t in d[: first + r]])  # [m, 2]
         extra = torch.zeros(R, len(cols)).index_put_(
             (pairs[:, 0], pairs[:, 1]), torch.ones(len(pairs)), accumulate=True)
         # the same float32 formula as the committed `sub`: a value does not depend on whether

@@ -125,6 +125,7 @@ def test_chain_stops_at_the_first_forbidden_draft(grammar, ids, tokenizer):
     assert torch.equal(rows[:3], ref[2:5]) and not rows[2, bad]
     assert rows[3:].all()  # past the forbidden draft: never consulted
     assert not st.push(bad)  # the state is still after ids[:4]
+    assert not st.push(grammar.vocab_size) and not st.push(-1)
     st.commit([ids[2], ids[3], ids[4]])
     assert torch.equal(_mask(st), ref[5])
     with pytest.raises(GrammarViolation):

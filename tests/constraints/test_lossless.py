@@ -22,7 +22,7 @@ PATTERN = "[ab]{1,4}"  # with penalties strong enough that the wrong variants vi
 PENALTIES = PenaltyParams(frequency_penalty=1.0, presence_penalty=0.6, repetition_penalty=1.8,
                           min_new_tokens=2)
 SAMPLING = SamplingParams(temperature=0.9, top_k=4)
-TRIALS = 600  # p-values at 400: correct 0.95, wrong 1e-164 and 3e-8
+TRIALS = 300  # p-values here: correct 0.76, wrong 3e-77 and 1e-14
 K = 3
 
 
@@ -94,4 +94,4 @@ def test_fails_when_verify_rows_ignore_the_drafts(setting):
 
 def test_fails_when_the_draft_is_not_sampled_from_the_rules_q(setting):
     comp, dist = setting
-    assert chi2_pvalue(_sample(comp, seed=3, drafter=toy.draft_unprocessed), dist) < 1e-6
+    assert chi2_pvalue(_sample(comp, seed=3, drafter=toy.draft_unpenalised), dist) < 1e-6

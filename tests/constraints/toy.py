@@ -18,6 +18,7 @@ from sloserve.runtime.constraints import (
     RequestConstraints,
     grammar_spec,
 )
+from sloserve.runtime.constraints.bitmask import apply_
 from sloserve.runtime.constraints.processing import finish, process
 from sloserve.runtime.penalties import PenaltyParams
 from sloserve.runtime.request import SamplingParams
@@ -128,9 +129,12 @@ def stale_target(rc: RequestConstraints):
     return target
 
 
-def draft_unprocessed(rc, out, drafts, gen):
-    """Samples the draft token from the raw draft distribution (no penalties, no mask) but hands
-    the rule the processed q: the draft is not distributed as the rule assumes."""
+def draft_unpenalised(rc, out, drafts, gen):
+    """Samples the draft token from the grammar-masked but unpenalised draft distribution while
+    handing the rule the fully processed q: the draft is not distributed as the rule assumes."""
     raw = draft_logits(PROMPT + tuple(out) + tuple(drafts))
     q = rc.draft(raw, drafts).probs[0]
-    return draw(processed_probs(raw[None], [rc.params])[0], gen), q
+    masked = raw.clone()[None]
+    if rc.grammar is not None:
+        apply_(masked, rc.grammar.bitmask()[None])
+    return draw(processed_probs(masked, [rc.params])[0], gen), q

@@ -98,6 +98,8 @@ class GrammarState:
     def push(self, token: int) -> bool:
         """Accept a draft token tentatively; False (state unchanged) if the grammar forbids it."""
         token = int(token)
+        if not 0 <= token < self.vocab_size:
+            return False
         state = self._u8[-1] if self._u8 else BOUND
         if self._m.is_terminated():
             step = 0
