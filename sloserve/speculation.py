@@ -16,6 +16,10 @@ that one step lives in the plan, which the caller carries through the step and h
     ... one ragged target forward verifies k_r + 1 tokens per request ...
     policy.observe(plan, outcome)             # VerifyOutcome
 
+A caller that must fix one draft length for the whole batch before drafting (SGLang's
+speculative workers run a fixed number of draft steps) asks a SpecServe plan for
+`uniform_rounds()` instead of calling extend, and reports [B, 0] confidences if it has none.
+
 `drafted_now` is the subset of `drafting` that really drafted position j (a model-free
 drafter may find no proposal for some); `extend` returns a subset of it (nobody past
 step.k_max). `confidences[r, j]` is the drafter's probability of the token it proposed at
@@ -61,7 +65,9 @@ class VerifyOutcome:
     drafted: np.ndarray  # [B] int: draft tokens proposed per request (s_r)
     verified: np.ndarray  # [B] int: draft tokens sent to verification (k_r <= s_r)
     accepted: np.ndarray  # [B] int: draft tokens accepted (<= k_r); emitted = accepted + 1
-    confidences: np.ndarray  # [B, s_max] float, NaN beyond s_r
+    # [B, s_max] float, NaN beyond s_r; [B, 0] from a caller that drafted without knowing the
+    # draft tokens' confidences (the policy then learns from the accepted counts alone)
+    confidences: np.ndarray
     step_time: float  # measured wall time of the whole step in seconds (draft + verify + rest)
     draft_time: float  # measured wall time of the draft forwards in seconds
     # measured wall time of the target (verify) forward in seconds; None where not measured

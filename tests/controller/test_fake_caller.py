@@ -103,3 +103,61 @@ def test_every_policy_serves_the_fake_caller():
         for _ in range(10):
             o = w.step()
             assert o.drafted.max() <= 4
+
+
+class StepLevelWorker(FakeWorker):
+    """A caller that fixes one draft length for the batch before drafting and never learns
+    the draft tokens' confidences (SGLang's speculative workers): uniform_rounds, then
+    observe with [B, 0] confidences."""
+
+    def step(self) -> VerifyOutcome:
+        rids = list(self.ctx)
+        B = len(rids)
+        step = StepInfo(rids, np.array([self.ctx[r] for r in rids]),
+                        np.array([self.slo[r] for r in rids]), self.k_max,
+                        draft_lag=np.ones(B, dtype=np.int64))
+        plan = self.policy.plan(step)
+        k = plan.uniform_rounds()
+        quality = np.array([self.quality[r] for r in rids])
+        drafted = np.full(B, k, dtype=np.int64)
+        ok = self.rng.random((B, max(k, 1))) < quality[:, None]
+        ok &= np.arange(max(k, 1))[None, :] < k
+        accepted = np.argmin(np.concatenate([ok, np.zeros((B, 1), bool)], 1), axis=1)
+        outcome = VerifyOutcome(drafted, drafted.copy(), accepted, np.zeros((B, 0)),
+                                StepTimer(COST, step).plan(drafted, drafted), 0.0, None)
+        self.policy.observe(plan, outcome)
+        for r, a in zip(rids, accepted.tolist()):
+            self.ctx[r] += a + 1
+        self.drafted_per_step.append(float(k))
+        return outcome
+
+
+def test_a_step_level_caller_gets_one_draft_length_that_follows_load_and_acceptance():
+    def mean_k(n: int, quality: float, steps: int = 40) -> float:
+        w = StepLevelWorker(make_policy("specserve", COST, k_max=6), k_max=6, seed=n)
+        for i in range(n):
+            w.add(f"r{i}", 300, quality=quality)
+        for _ in range(steps):
+            w.step()
+        return float(np.mean(w.drafted_per_step[steps // 2:]))
+
+    one, sixteen = mean_k(1, 0.9), mean_k(16, 0.9)
+    assert one > sixteen and one >= 2  # speculation falls as the batch grows
+    assert mean_k(1, 0.9) > mean_k(1, 0.2)  # ... and rises with the observed acceptance
+    # the predictions were learned from accepted counts alone
+    w = StepLevelWorker(make_policy("specserve", COST, k_max=6), k_max=6)
+    w.add("a", 300, quality=0.95)
+    for _ in range(30):
+        w.step()
+    assert w.policy.history.values[w.policy.history.slots(["a"], fill=0.0)][0] > 0.8
+
+
+def test_uniform_rounds_respects_the_slo():
+    policy = make_policy("specserve", COST, k_max=6)
+    step = StepInfo(["a"], np.array([300]), np.array([np.inf]), 6)
+    timer = StepTimer(COST, step)
+    assert policy.plan(step).uniform_rounds() > 0
+    # an SLO between plain decoding and k = 1 (guard at 2x until measured: halve it)
+    tight = 2.0 * (timer.plain + 0.5 * (timer.uniform(1)[1] - timer.plain))
+    step = StepInfo(["a"], np.array([300]), np.array([tight]), 6)
+    assert policy.plan(step).uniform_rounds() == 0

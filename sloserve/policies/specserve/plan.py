@@ -139,6 +139,49 @@ class SpecServePlan(SpecPlan):
         return eliminate_plan(self.timer, P, drafted, self.slo, self.unscored,
                               opts.uniform_margin)
 
+    # ----- callers that fix one draft length for the whole batch before drafting
+    def uniform_rounds(self) -> int:
+        """The k in 0..k_max maximising E(k) = (B + sum_r sum_{j<=k} pred_r^j) / T(k), every
+        request drafting and verifying k tokens (T: StepTimer.uniform; E without the step's
+        prefill seconds unless score_prefill), within the guarded SLO: the plan's own rule
+        with each request's confidences at its prediction, for callers that cannot consult
+        the plan between draft rounds (SGLang's speculative workers draft a fixed number of
+        steps). E is unimodal in k, so the search stops at the first k that does not raise
+        it. The plan's tokens, time and k_total become that uniform plan's."""
+        B, k_max = self.step.batch_size, self.k_max
+        if B == 0 or k_max <= 0:
+            return 0
+        times = self.timer.uniform(k_max)  # [k_max + 1]
+        pred = np.asarray(self.predictions(), dtype=np.float64)  # [B]
+        chain = np.ones(B)
+        tokens = float(B)
+        best_k, best_tokens = 0, tokens
+        best_e = tokens / (times[0] - self.unscored) * (1.0 + self.inputs.options.start_margin)
+        for k in range(1, k_max + 1):
+            chain = chain * pred
+            tokens += float(chain.sum())
+            if times[k] > self.slo:  # times rise with k: no longer plan fits either
+                break
+            e = tokens / (times[k] - self.unscored)
+            if e <= best_e:
+                break
+            best_k, best_tokens, best_e = k, tokens, e
+        self.tokens, self.time = best_tokens, float(times[best_k])
+        self.k_total = best_k * B
+        return best_k
+
+    def absorb_counts(self, verified: np.ndarray, accepted: np.ndarray) -> None:
+        """Learn the predictions from verify outcomes when the caller has no confidences:
+        each verified position up to the first rejection is one sample of the conditional
+        acceptance (1 accepted, 0 rejected), folded into the request's EMA in order."""
+        pred, ema = self.predictions(), self.inputs.options.ema
+        for r, (k, a) in enumerate(zip(np.asarray(verified).tolist(),
+                                       np.asarray(accepted).tolist())):
+            x = pred[r]
+            for j in range(min(a + 1, k)):
+                x += ema * ((1.0 if j < a else 0.0) - x)
+            pred[r] = x
+
     # ----- what the policy reads back in observe
     def predictions(self) -> np.ndarray | list[float]:
         """[B] the requests' predictions after this step (the policy keeps them)."""

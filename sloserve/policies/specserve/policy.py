@@ -95,6 +95,8 @@ class SpecServePolicy(SpecPolicy):
                 self.g.update(conf, verified, accepted)
             self._outcomes.clear()
         step = plan.step
+        if outcome.confidences.shape[1] == 0 and np.count_nonzero(outcome.verified):
+            plan.absorb_counts(outcome.verified, outcome.accepted)  # a caller without them
         if outcome.step_time > 0.0:
             predicted, drafting = self._predicted(plan, outcome)
             if self.correction is not None and not step.prefill_tokens:
