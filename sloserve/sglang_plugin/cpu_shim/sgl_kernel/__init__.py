@@ -14,6 +14,8 @@ function that raises NotImplementedError naming the op when called.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from sloserve.sglang_plugin.cpu_ops import attention, kv_move, spec
@@ -92,11 +94,30 @@ _OPS = {
     ),
 }
 
+_TRACE = os.environ.get("SLOSERVE_SGL_KERNEL_TRACE")  # file: each op's name at its first call
+
+
+def _traced(name: str, impl):
+    if not _TRACE:
+        return impl
+    seen = False
+
+    def call(*args, **kwargs):
+        nonlocal seen
+        if not seen:
+            seen = True
+            with open(_TRACE, "a") as f:
+                f.write(f"{os.getpid()} {name}\n")
+        return impl(*args, **kwargs)
+
+    return call
+
+
 # Kept alive for the process: the registrations live as long as this object.
 _LIB = torch.library.Library("sgl_kernel", "FRAGMENT")
 for _name, (_schema, _impl) in _OPS.items():
     _LIB.define(_name + _schema)
-    _LIB.impl(_name, _impl, "CPU")
+    _LIB.impl(_name, _traced(_name, _impl), "CPU")
 
 
 def _python_entry(name: str):
