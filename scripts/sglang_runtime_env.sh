@@ -5,6 +5,9 @@
 #   PY=$(bash scripts/sglang_runtime_env.sh | tail -1)
 #   "$PY" -m sloserve.launch --engine sglang --tpot-slo 30ms
 #
+# With --no-create an environment that does not exist yet is not created: the script says so
+# and exits with status 3 (tests use this to skip instead of downloading 11 GB).
+#
 # SGLang pins its own torch (2.14.1), transformers and CUDA packages, so it lives apart from the
 # project's environment. The environment is keyed by the pinned SGLang version and the Python
 # version and cached under $SLOSERVE_SGLANG_ENV_ROOT (default ~/.cache/sloserve/sglang-env):
@@ -24,11 +27,24 @@ py="$env_dir/bin/python"
 
 log() { echo "[sglang_runtime_env] $*" >&2; }
 
+no_create=0
+for arg in "$@"; do
+    case "$arg" in
+        --no-create) no_create=1 ;;
+        *) log "unknown argument: $arg"; exit 2 ;;
+    esac
+done
+
 mkdir -p "$root"
 exec 9>"$root/.lock"
 if ! flock -w 3600 9; then
     log "timed out waiting for another creation of $env_dir"
     exit 1
+fi
+
+if [ ! -f "$marker" ] && [ "$no_create" = 1 ]; then
+    log "no SGLang environment at $env_dir (run this script without --no-create to create it)"
+    exit 3
 fi
 
 if [ ! -f "$marker" ]; then
@@ -45,8 +61,10 @@ if [ ! -f "$marker" ]; then
 fi
 
 # This checkout of sloserve, without touching SGLang's pins (its torch, transformers stay).
+# Re-installed when the checkout or its pyproject.toml (entry points, package data) changes.
+source_key="$repo $(sha256sum "$repo/pyproject.toml" | cut -d' ' -f1)"
 installed_from=$(cat "$env_dir/.sloserve-source" 2>/dev/null || true)
-if [ "$installed_from" != "$repo" ]; then
+if [ "$installed_from" != "$source_key" ]; then
     log "installing sloserve from $repo"
     "$py" - <<'PY' > "$env_dir/.pins.txt"
 import importlib.metadata as md
@@ -54,6 +72,6 @@ for name in ("torch", "transformers", "tokenizers", "sglang", "numpy"):
     print(f"{name}=={md.version(name)}")
 PY
     PIP_CONSTRAINT="$env_dir/.pins.txt" "$py" -m pip install -q -e "$repo" >&2
-    echo "$repo" > "$env_dir/.sloserve-source"
+    echo "$source_key" > "$env_dir/.sloserve-source"
 fi
 echo "$py"

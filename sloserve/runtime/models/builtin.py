@@ -174,16 +174,20 @@ def build_pair(
 
 
 def ensure_builtin_pair() -> tuple[Path, Path]:
-    """Paths of the built-in (target, draft), building them on first use (atomic rename, so
-    concurrent processes never see a half-written pair)."""
-    target, draft = builtin_paths()
+    """Paths of the built-in (target, draft), building them on first use."""
+    return ensure_pair(builtin_paths()[0].parent)
+
+
+def ensure_pair(root: Path, **build_kwargs) -> tuple[Path, Path]:
+    """(root/target, root/draft), built by build_pair(root, **build_kwargs) on first use
+    (atomic rename, so concurrent processes never see a half-written pair)."""
+    target, draft = root / "target", root / "draft"
     if (target / "model.safetensors").is_file() and (draft / "model.safetensors").is_file():
         return target, draft
-    root = target.parent
     root.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=root.parent))
     try:
-        build_pair(staging / "pair")
+        build_pair(staging / "pair", **build_kwargs)
         try:
             os.rename(staging / "pair", root)
         except OSError:

@@ -1,0 +1,47 @@
+"""sloserve's SGLang plugin, loaded by SGLang in each of its processes through the entry point
+group `sglang.srt.plugins` (pyproject: `sloserve = "sloserve.sglang_plugin:register"`).
+
+register() must be cheap and safe on any machine: it does nothing unless SGLang runs its CPU
+engine without CUDA; then it applies the CPU fixes below. SGLang logs and ignores a plugin
+that raises, so a failure here would only surface later as a confusing fallback; register()
+therefore raises nothing for unsupported environments and lets real errors propagate.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+
+def running_sglang_cpu_engine() -> bool:
+    """SGLang's CPU engine is on (SGLANG_USE_CPU_ENGINE=1, which makes its is_cpu() true) and
+    no CUDA device is usable."""
+    if os.environ.get("SGLANG_USE_CPU_ENGINE", "0") != "1":
+        return False
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def _keep_intel_amx_backend() -> None:
+    """SGLang replaces `--attention-backend intel_amx` with torch_native on CPUs without AMX
+    (sglang/srt/arg_groups/overrides.py `_attention_backend_platform_fallbacks`), and
+    torch_native cannot run speculative decoding. The intel_amx backend only needs the
+    sgl_kernel attention ops, which sloserve's CPU shim provides in torch, so report AMX to
+    SGLang's platform facts. The layers' own AMX fast paths ask `cpu_has_amx_support()`
+    directly and keep using their portable torch code."""
+    from sglang.srt.runtime_context import override_platform
+
+    override_platform(has_amx=True).install()
+
+
+def register() -> None:
+    if running_sglang_cpu_engine():
+        _keep_intel_amx_backend()
+        logger.info("sloserve plugin: SGLang CPU engine fixes applied (intel_amx kept)")
+
+    # --- Speculative algorithms (on every device) ---------------------------------------------
+    # The SPECSERVE speculative algorithm (SLO-aware adaptive drafting) is to be registered
+    # here with SpeculativeAlgorithm.register(...) (sglang/srt/speculative/spec_info.py).

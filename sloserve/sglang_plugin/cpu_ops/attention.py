@@ -1,0 +1,162 @@
+"""Paged attention over SGLang's KV pool in plain torch: what sgl-kernel's CPU
+`decode_attention_cpu` and `extend_attention_cpu` compute (sgl-kernel/csrc/cpu/decode.cpp,
+extend.cpp), with the argument lists SGLang 0.5.23's `intel_amx` backend passes
+(`sglang/srt/layers/attention/intel_amx_backend.py`).
+
+Layout (page size 1, SGLang's CPU layout):
+  k_buffer: [pool_tokens, num_kv_heads, head_dim]    one layer's keys, row = KV slot
+  v_buffer: [pool_tokens, num_kv_heads, head_dim_v]
+  req_to_token: [max_reqs, max_context_len] int32/int64; row r lists request r's KV slots
+  seq_lens[b]: the request's total length; its keys are req_to_token[req_pool_indices[b], :seq_lens[b]]
+
+Scores are computed in float32 (`s = (q . k) * sm_scale`, then `cap * tanh(s / cap)` when
+logit_cap > 0), softmax in float32, output cast to the output tensor's dtype. GQA: query head
+h reads KV head h // (num_heads // num_kv_heads).
+
+Not implemented (SGLang passes them only for models this project does not serve; each raises
+NotImplementedError naming the op): cross attention, sliding windows, attention sinks, encoder
+lengths, FP8 / int8 KV caches.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_FLOAT_KV = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _unsupported(op: str, what: str) -> NotImplementedError:
+    return NotImplementedError(f"sgl_kernel.{op}: {what} is not implemented by sloserve's CPU shim")
+
+
+def _check_common(
+    op: str, k_buffer: torch.Tensor, is_cross_attn: bool, sliding_window_size: int,
+    encoder_lens: torch.Tensor | None, sinks: torch.Tensor | None,
+) -> None:
+    if k_buffer.dtype not in _FLOAT_KV:
+        raise _unsupported(op, f"a {k_buffer.dtype} KV cache")
+    if is_cross_attn:
+        raise _unsupported(op, "cross attention")
+    # SGLang passes layer.sliding_window_size + 1, i.e. 0 for "no window".
+    if sliding_window_size > 0:
+        raise _unsupported(op, "sliding-window attention")
+    if encoder_lens is not None:
+        raise _unsupported(op, "encoder lengths")
+    if sinks is not None:
+        raise _unsupported(op, "attention sinks")
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
+    sm_scale: float, logit_cap: float,
+) -> torch.Tensor:
+    """q [Q, H, D], k [K, Hkv, D], v [K, Hkv, Dv], visible [Q, K] bool or None (all visible)
+    -> [Q, H, Dv] float32."""
+    num_heads, num_kv = q.shape[1], k.shape[1]
+    group = num_heads // num_kv
+    kf = k.float().repeat_interleave(group, dim=1)  # [K, H, D]
+    vf = v.float().repeat_interleave(group, dim=1)  # [K, H, Dv]
+    s = torch.einsum("qhd,khd->hqk", q.float(), kf) * sm_scale  # [H, Q, K]
+    if logit_cap > 0:
+        s = logit_cap * torch.tanh(s / logit_cap)
+    if visible is not None:
+        s = s.masked_fill(~visible.unsqueeze(0), float("-inf"))
+    p = torch.softmax(s, dim=-1)  # [H, Q, K]
+    return torch.einsum("hqk,khd->qhd", p, vf)
+
+
+def decode_attention(
+    query: torch.Tensor,  # [bs, H, D]
+    k_buffer: torch.Tensor,  # [pool, Hkv, D]   written at loc
+    v_buffer: torch.Tensor,  # [pool, Hkv, Dv]  written at loc
+    k_scale: float,
+    v_scale: float,
+    output: torch.Tensor,  # [bs, H, Dv] out
+    key: torch.Tensor | None,  # [bs, Hkv, D] this step's keys, or None (already in the cache)
+    value: torch.Tensor | None,  # [bs, Hkv, Dv]
+    loc: torch.Tensor,  # [bs] int64 KV slot of this step's token
+    attn_logits: torch.Tensor,  # scratch of the real kernel; unused here
+    req_to_token: torch.Tensor,  # [max_reqs, max_context_len]
+    req_pool_indices: torch.Tensor,  # [bs]
+    seq_lens: torch.Tensor,  # [bs] int64, this step's token included
+    sm_scale: float,
+    logit_cap: float,
+    is_cross_attn: bool = False,
+    sliding_window_size: int = 0,
+    encoder_lens: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+) -> None:
+    """One query token per sequence: store (key, value) at `loc`, then attend to the
+    sequence's first seq_lens[b] slots of req_to_token."""
+    op = "decode_attention_cpu"
+    _check_common(op, k_buffer, is_cross_attn, sliding_window_size, encoder_lens, sinks)
+    if key is not None and value is not None:
+        k_buffer[loc] = key.to(k_buffer.dtype)
+        v_buffer[loc] = value.to(v_buffer.dtype)
+    rows = req_to_token[req_pool_indices.long()]  # [bs, max_context_len]
+    for b in range(query.shape[0]):
+        slots = rows[b, : int(seq_lens[b])].long()  # [L]
+        out = _attend(query[b : b + 1], k_buffer[slots], v_buffer[slots], None, sm_scale,
+                      logit_cap)
+        output[b] = out[0].to(output.dtype)
+
+
+def extend_attention(
+    q_extend: torch.Tensor,  # [T, H, D] new tokens of all sequences, packed
+    k_extend: torch.Tensor | None,  # [T, Hkv, D], or None: read them from the cache
+    v_extend: torch.Tensor | None,  # [T, Hkv, Dv]
+    o_extend: torch.Tensor,  # [T, H, Dv] out
+    k_buffer: torch.Tensor,  # [pool, Hkv, D]   holds the prefixes
+    v_buffer: torch.Tensor,  # [pool, Hkv, Dv]
+    k_scale: float,
+    v_scale: float,
+    req_to_token: torch.Tensor,  # [max_reqs, max_context_len]
+    req_pool_indices: torch.Tensor,  # [bs]
+    seq_lens: torch.Tensor,  # [bs] prefix + extend
+    extend_seq_lens: torch.Tensor,  # [bs]
+    extend_start_loc: torch.Tensor,  # [bs] first row of each sequence in q/k/v/o_extend
+    max_len_extend: int,
+    sm_scale: float,
+    logit_cap: float,
+    is_cross_attn: bool = False,
+    sliding_window_size: int = 0,
+    encoder_lens: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    tree_mask: torch.Tensor | None = None,  # [bs * E * E] bool, QLEN_ONLY layout
+    is_causal: bool = True,
+) -> None:
+    """Sequence b's extend tokens (rows extend_start_loc[b] + [0, extend_seq_lens[b])) attend
+    to its whole prefix, the first seq_lens[b] - extend_seq_lens[b] slots of req_to_token, and
+    to its own extend tokens: causally (query i sees extend keys 0..i), all of them when
+    is_causal is False, or as tree_mask says (QLEN_ONLY: request b's [E, E] block, row = query,
+    column = key, E = its extend length; the prefix stays fully visible)."""
+    op = "extend_attention_cpu"
+    _check_common(op, k_buffer, is_cross_attn, sliding_window_size, encoder_lens, sinks)
+    rows = req_to_token[req_pool_indices.long()]  # [bs, max_context_len]
+    mask_off = 0
+    for b in range(seq_lens.shape[0]):
+        n_ext, start = int(extend_seq_lens[b]), int(extend_start_loc[b])
+        n_pre = int(seq_lens[b]) - n_ext
+        if n_pre < 0:
+            raise ValueError(f"sgl_kernel.{op}: prefix length < 0 for sequence {b}")
+        if n_ext == 0:
+            continue
+        pre = rows[b, :n_pre].long()
+        if k_extend is None or v_extend is None:  # the layer already stored them
+            ext_slots = rows[b, n_pre : n_pre + n_ext].long()
+            k_ext, v_ext = k_buffer[ext_slots], v_buffer[ext_slots]
+        else:
+            k_ext = k_extend[start : start + n_ext]
+            v_ext = v_extend[start : start + n_ext]
+        k = torch.cat([k_buffer[pre].to(k_ext.dtype), k_ext])  # [n_pre + n_ext, Hkv, D]
+        v = torch.cat([v_buffer[pre].to(v_ext.dtype), v_ext])
+        if tree_mask is not None:
+            ext_vis = tree_mask[mask_off : mask_off + n_ext * n_ext].view(n_ext, n_ext).bool()
+            mask_off += n_ext * n_ext
+        elif is_causal:
+            ext_vis = torch.ones(n_ext, n_ext, dtype=torch.bool).tril()
+        else:
+            ext_vis = torch.ones(n_ext, n_ext, dtype=torch.bool)
+        visible = torch.cat([torch.ones(n_ext, n_pre, dtype=torch.bool), ext_vis], dim=1)
+        out = _attend(q_extend[start : start + n_ext], k, v, visible, sm_scale, logit_cap)
+        o_extend[start : start + n_ext] = out.to(o_extend.dtype)
