@@ -4,6 +4,7 @@
     python -m sloserve.launch --tpot-slo 30ms --spec-policy specserve --port 30000
     python -m sloserve.launch --model-path /models/target --draft-model-path /models/draft
     python -m sloserve.launch --model-path /models/target --drafter ngram
+    python -m sloserve.launch --engine sglang --tpot-slo 30ms  # SGLang's server + SPECSERVE
 
 The EngineConfig is built once from the options (and is frozen). When the server accepts
 connections it prints `sloserve ready: http://HOST:PORT`; SIGINT or SIGTERM aborts running
@@ -73,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m sloserve.launch", description=__doc__.split("\n")[0],
         formatter_class=_Help)
+    p.add_argument("--engine", choices=("auto", "builtin", "sglang"), default="auto",
+                   help="builtin: sloserve's own engine; sglang: SGLang's server with "
+                   "sloserve's SPECSERVE algorithm (needs SGLang's runtime: see README; "
+                   "`--engine sglang --help` lists its options); auto: sglang where SGLang's "
+                   "runtime is installed, else builtin")
     m = p.add_argument_group("models (none given: the built-in pair)")
     m.add_argument("--model-path", type=_existing_dir, default=None,
                    help="target model: a Hugging Face directory (Llama family)")
@@ -179,7 +185,35 @@ async def _serve(server, host: str, state) -> None:
     await task
 
 
+def _engine_choice(argv: list[str]) -> tuple[str, list[str]]:
+    """(--engine's value, the other arguments). auto: SGLang's runtime where it is installed
+    in this python, else the built-in engine."""
+    rest, engine = [], "auto"
+    it = iter(argv)
+    for a in it:
+        if a == "--engine":
+            engine = next(it, "")
+        elif a.startswith("--engine="):
+            engine = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+    if engine not in ("auto", "builtin", "sglang"):
+        print(f"error: argument --engine: invalid choice {engine!r} (choose from auto, builtin, "
+              "sglang)", file=sys.stderr)
+        raise SystemExit(2)
+    if engine == "auto":
+        from sloserve.sglang_plugin.launch import sglang_runtime_available
+
+        engine = "sglang" if sglang_runtime_available() else "builtin"
+    return engine, rest
+
+
 def main(argv: list[str] | None = None) -> int:
+    engine, argv = _engine_choice(sys.argv[1:] if argv is None else list(argv))
+    if engine == "sglang":
+        from sloserve.sglang_plugin.launch import main as sglang_main
+
+        return sglang_main(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     cfg = config_from_args(parser, args)

@@ -15,6 +15,7 @@ This file is the contract between the profiler (which fits the coefficients), th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -50,3 +51,29 @@ class CostModel:
     target: ForwardCost
     draft: ForwardCost
     overhead: float = 0.0  # seconds per step outside the forwards (scheduling, sampling)
+
+
+class ModelShape(Protocol):
+    """What rough_cost reads of a model's config (runtime.models.config.ModelConfig)."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+
+
+def rough_cost(target_cfg: ModelShape, draft_cfg: ModelShape | None) -> CostModel:
+    """A stand-in cost model from parameter counts, used until a profile exists (CPU-ish)."""
+
+    def fc(cfg: ModelShape) -> ForwardCost:
+        params = cfg.num_layers * (
+            cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+            + cfg.num_heads * cfg.head_dim * cfg.hidden_size
+            + 3 * cfg.hidden_size * cfg.intermediate_size
+        ) + 2 * cfg.vocab_size * cfg.hidden_size
+        return ForwardCost(a=2e-9 * cfg.num_layers, b=2 * params / 100e9, c=4 * params / 40e9 + 1e-4 * cfg.num_layers)
+
+    return CostModel(fc(target_cfg), fc(draft_cfg) if draft_cfg else ForwardCost.free(), 5e-4)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from sloserve.estimator.cost_model import CostModel, ForwardCost
+from sloserve.estimator.cost_model import CostModel, ForwardCost, rough_cost
 from sloserve.runtime.attention import make_backend
 from sloserve.runtime.config import EngineConfig
 from sloserve.runtime.cpu_kernels import cpu_ops
@@ -47,20 +47,6 @@ def load_tokenizer(path: str):
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:  # transformers raises many kinds here
         raise ModelLoadError(f"cannot load a tokenizer from {path!r}: {e}") from None
-
-
-def rough_cost(target_cfg, draft_cfg) -> CostModel:
-    """A stand-in cost model from parameter counts, used until a profile exists (CPU-ish)."""
-
-    def fc(cfg) -> ForwardCost:
-        params = cfg.num_layers * (
-            cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-            + cfg.num_heads * cfg.head_dim * cfg.hidden_size
-            + 3 * cfg.hidden_size * cfg.intermediate_size
-        ) + 2 * cfg.vocab_size * cfg.hidden_size
-        return ForwardCost(a=2e-9 * cfg.num_layers, b=2 * params / 100e9, c=4 * params / 40e9 + 1e-4 * cfg.num_layers)
-
-    return CostModel(fc(target_cfg), fc(draft_cfg) if draft_cfg else ForwardCost.free(), 5e-4)
 
 
 def _load_cost(cfg: EngineConfig, target: ModelRunner, draft: ModelRunner | None,

@@ -37,11 +37,49 @@ def _keep_intel_amx_backend() -> None:
     override_platform(has_amx=True).install()
 
 
+def _register_specserve() -> None:
+    """The SPECSERVE speculative algorithm: SGLang's STANDALONE worker (the user's draft
+    model) whose draft length sloserve's SpecServe controller picks for every decode batch
+    (worker.py), and the output streamer that puts its decisions in meta_info."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_registry import CustomSpecAlgo, get_spec
+
+    if get_spec("SPECSERVE") is not None:  # loaded twice in one process
+        return
+
+    class SpecServeAlgo(CustomSpecAlgo):
+        """Behaves as STANDALONE wherever SGLang asks (draft model with its own embeddings
+        and LM head, no hidden-state capture)."""
+
+        def is_standalone(self) -> bool:
+            return True
+
+    @SpeculativeAlgorithm.register("SPECSERVE", supports_overlap=False, spec_class=SpecServeAlgo)
+    def _factory(server_args):
+        from sloserve.sglang_plugin.worker import SpecServeWorker
+
+        return SpecServeWorker
+
+    def _output_streamer_class(self):
+        if self.spec_algorithm.is_some() and getattr(self.spec_algorithm, "name", "") == \
+                "SPECSERVE":
+            from sloserve.sglang_plugin.worker import SpecServeOutputStreamer
+
+            return SpecServeOutputStreamer
+        from sglang.srt.managers.scheduler_components.output_streamer import (
+            SchedulerOutputStreamer,
+        )
+
+        return SchedulerOutputStreamer
+
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.get_output_streamer_class",
+        _output_streamer_class, HookType.REPLACE)
+
+
 def register() -> None:
     if running_sglang_cpu_engine():
         _keep_intel_amx_backend()
         logger.info("sloserve plugin: SGLang CPU engine fixes applied (intel_amx kept)")
-
-    # --- Speculative algorithms (on every device) ---------------------------------------------
-    # The SPECSERVE speculative algorithm (SLO-aware adaptive drafting) is to be registered
-    # here with SpeculativeAlgorithm.register(...) (sglang/srt/speculative/spec_info.py).
+    _register_specserve()

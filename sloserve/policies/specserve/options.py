@@ -11,6 +11,9 @@ from dataclasses import dataclass
 # numpy call after a forward runs on cold caches, the next ones warm).
 COLLAPSE = 0.05
 PRIOR_EMA = 0.05
+# Without confidences a request's prediction learns from 0/1 outcomes, far noisier than
+# g(c): a weight of 0.3 let one rejection cut a 0.9 prediction to 0.63; 0.1 averages ~10.
+COUNT_EMA = 0.1
 CALIBRATE_EVERY = 8
 SMALL_BATCH = 8
 

@@ -41,7 +41,7 @@ from sloserve.estimator.cost_model import CostModel
 from sloserve.estimator.efficiency import binding_slo
 from sloserve.estimator.step_time import StepTimer
 from sloserve.policies.specserve.elimination import eliminate_padded, eliminate_plan
-from sloserve.policies.specserve.options import COLLAPSE, SpecServeOptions
+from sloserve.policies.specserve.options import COLLAPSE, COUNT_EMA, SpecServeOptions
 from sloserve.speculation import SpecPlan, StepInfo
 
 # prefix sums without ndarray.cumsum's dispatch overhead (~1 us per call at B = 64; a plan
@@ -173,8 +173,9 @@ class SpecServePlan(SpecPlan):
     def absorb_counts(self, verified: np.ndarray, accepted: np.ndarray) -> None:
         """Learn the predictions from verify outcomes when the caller has no confidences:
         each verified position up to the first rejection is one sample of the conditional
-        acceptance (1 accepted, 0 rejected), folded into the request's EMA in order."""
-        pred, ema = self.predictions(), self.inputs.options.ema
+        acceptance (1 accepted, 0 rejected), folded into the request's EMA in order (weight
+        COUNT_EMA)."""
+        pred, ema = self.predictions(), COUNT_EMA
         for r, (k, a) in enumerate(zip(np.asarray(verified).tolist(),
                                        np.asarray(accepted).tolist())):
             x = pred[r]

@@ -1,0 +1,110 @@
+"""`python -m sloserve.launch --engine sglang [options] [SGLang's own options]`: SGLang's own
+server (`sglang.launch_server`) with sloserve's SPECSERVE speculative algorithm.
+
+sloserve's options are taken here and turned into SGLang's: the model pair (the built-in pair
+when none is given), `--tpot-slo` (the default SLO of the SPECSERVE controller),
+`--spec-policy` (specserve, specserve-drafter, or ar: SGLang without speculation, the
+reference), `--k-max` (the most draft steps per batch), `--host`, `--port`. Every other
+option goes to SGLang unchanged. On a machine without CUDA the CPU engine's flags and the
+sgl_kernel stand-in are added (cpu_server.py). Must run in a python with SGLang's runtime
+installed (scripts/sglang_runtime_env.sh prints one); the process is replaced by SGLang's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import sys
+from collections.abc import Sequence
+
+from sloserve.sglang_plugin import settings
+from sloserve.sglang_plugin.cpu_server import (
+    CPUServerConfig,
+    SpecConfig,
+    cuda_available,
+    server_command,
+    server_env,
+)
+
+SGLANG_VERSION = "0.5.23"
+POLICIES = ("specserve", "specserve-drafter", "ar")
+
+
+def sglang_runtime_available() -> bool:
+    """SGLang's server runtime is installed here (not only its frontend language)."""
+    try:
+        return importlib.metadata.version("sglang") == SGLANG_VERSION and bool(
+            importlib.metadata.version("sglang-kernel"))
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from sloserve.launch import duration
+
+    p = argparse.ArgumentParser(
+        prog="python -m sloserve.launch --engine sglang", allow_abbrev=False,
+        description="SGLang's server with sloserve's SPECSERVE speculation; options not "
+                    "listed here go to SGLang's launch_server unchanged")
+    p.add_argument("--model-path", default=None, help="target model (default: built-in pair)")
+    p.add_argument("--draft-model-path", default=None, help="draft model (default: built-in)")
+    p.add_argument("--tpot-slo", type=duration, default=None,
+                   help="default TPOT SLO, e.g. 30ms (a request's own: custom_params.tpot_slo)")
+    p.add_argument("--spec-policy", choices=POLICIES, default="specserve")
+    p.add_argument("--k-max", type=int, default=4, help="most draft steps per batch")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="KV cache tokens (CPU default 8192)")
+    return p
+
+
+def sglang_args(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """(SGLang's launch_server command, its environment) for sloserve's and SGLang's options."""
+    parser = build_parser()
+    args, passthrough = parser.parse_known_args(list(argv))
+    if args.k_max < 1:
+        parser.error(f"argument --k-max: must be >= 1, got {args.k_max}")
+    target, draft = args.model_path, args.draft_model_path
+    if target is None:
+        from sloserve.runtime.models.builtin import ensure_builtin_pair
+
+        bt, bd = ensure_builtin_pair()
+        target, draft = str(bt), draft or str(bd)
+    spec = None
+    if args.spec_policy != "ar":
+        if draft is None:
+            parser.error("SPECSERVE needs a draft model: --draft-model-path "
+                         "(or --spec-policy ar for SGLang without speculation)")
+        spec = SpecConfig(draft, algorithm="SPECSERVE", num_steps=args.k_max, eagle_topk=1,
+                          num_draft_tokens=args.k_max + 1)
+    extra = list(passthrough) + (["--disable-overlap-schedule"] if spec else [])
+    env = dict(os.environ)
+    if args.tpot_slo is not None:
+        env[settings.ENV_TPOT_SLO] = repr(args.tpot_slo)
+    if spec is not None:
+        env[settings.ENV_POLICY] = args.spec_policy
+    python = sys.executable
+    if cuda_available():
+        cmd = [python, "-m", "sglang.launch_server", "--model-path", target,
+               "--host", args.host, "--port", str(args.port)]
+        if args.max_total_tokens is not None:
+            extra += ["--max-total-tokens", str(args.max_total_tokens)]
+        return cmd + (spec.args() if spec else []) + extra, env
+    cfg = CPUServerConfig(model_path=target, port=args.port, host=args.host, spec=spec,
+                          max_total_tokens=args.max_total_tokens or 8192,
+                          extra_args=tuple(extra))
+    return server_command(cfg, python), server_env(env)
+
+
+def main(argv: Sequence[str]) -> int:
+    if not sglang_runtime_available():
+        print("error: --engine sglang needs SGLang's runtime (sglang==0.5.23) in this "
+              "python; create its environment with `bash scripts/sglang_runtime_env.sh` and "
+              "run with the python it prints last", file=sys.stderr)
+        return 2
+    cmd, env = sglang_args(argv)
+    print("sloserve: starting SGLang:", " ".join(cmd[1:]), flush=True)
+    os.execve(cmd[0], cmd, env)
+    return 0  # not reached

@@ -1,0 +1,98 @@
+"""What the SPECSERVE worker takes from its environment: the server's default TPOT SLO and
+policy (set by `python -m sloserve.launch --engine sglang`, or by hand when starting
+`python -m sglang.launch_server --speculative-algorithm SPECSERVE`), each request's own SLO,
+and the cost profile of SGLang's forwards for the model pair on this device.
+
+    SLOSERVE_TPOT_SLO      default TPOT SLO in seconds (unset: none)
+    SLOSERVE_SPEC_POLICY   specserve (default) | specserve-drafter
+    SLOSERVE_PROFILE       a profile file to use instead of the lookup below
+
+A request's own SLO: SGLang sampling params `custom_params: {"tpot_slo": seconds}`.
+Profiles of SGLang's forwards are keyed like the built-in engine's, with the device key
+prefixed by "sglang-" (`python -m sloserve.profiler --engine sglang` writes one); without
+one the worker starts from a rough estimate from the models' shapes and corrects it online
+from measured steps (docs/design.md sec. 6).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Any
+
+from sloserve.estimator.cost_model import CostModel, rough_cost
+from sloserve.estimator.profile_file import Profile, find_profile, model_key, read_profile
+from sloserve.estimator.profile_lookup import default_dirs, device_key, fingerprint
+from sloserve.policies.registry import make_policy
+from sloserve.sglang_plugin.controller import StepController
+
+log = logging.getLogger(__name__)
+
+ENV_TPOT_SLO = "SLOSERVE_TPOT_SLO"
+ENV_POLICY = "SLOSERVE_SPEC_POLICY"
+ENV_PROFILE = "SLOSERVE_PROFILE"
+POLICIES = ("specserve", "specserve-drafter")
+
+
+def request_tpot_slo(sampling_params: Any) -> float | None:
+    """A request's own TPOT SLO in seconds (custom_params.tpot_slo), None if it has none or
+    it is not a positive number (SGLang has already accepted the request)."""
+    custom = getattr(sampling_params, "custom_params", None) or {}
+    value = custom.get("tpot_slo") if isinstance(custom, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if 0.0 < value < math.inf else None
+
+
+def default_tpot_slo() -> float | None:
+    raw = os.environ.get(ENV_TPOT_SLO)
+    if not raw:
+        return None
+    value = float(raw)
+    if not 0.0 < value < math.inf:
+        raise ValueError(f"{ENV_TPOT_SLO} must be a positive number of seconds, got {raw!r}")
+    return value
+
+
+def sglang_device_key(device: str) -> str:
+    return f"sglang-{device_key(device)}"
+
+
+def find_sglang_profile(target_path: str, draft_path: str, device: str,
+                        dtype: str) -> Profile | None:
+    explicit = os.environ.get(ENV_PROFILE)
+    if explicit:
+        return read_profile(explicit)
+    keys = (model_key(target_path, fingerprint(target_path)),
+            model_key(draft_path, fingerprint(draft_path)), sglang_device_key(device), dtype)
+    for d in default_dirs():
+        path = find_profile(d, *keys)
+        if path is not None:
+            log.info("SPECSERVE cost profile: %s", path)
+            return read_profile(path)
+    return None
+
+
+def load_cost(target_path: str, draft_path: str, device: str,
+              dtype: str) -> tuple[CostModel, Any]:
+    """The cost model of SGLang's forwards and the pair's calibration counts (or None)."""
+    profile = find_sglang_profile(target_path, draft_path, device, dtype)
+    if profile is not None:
+        return profile.cost_model(), profile.calibration
+    from sloserve.runtime.models.config import load_config
+
+    log.warning("SPECSERVE: no cost profile of SGLang's forwards for this pair and device; "
+                "starting from a rough estimate (python -m sloserve.profiler --engine sglang "
+                "measures one)")
+    return rough_cost(load_config(target_path), load_config(draft_path)), None
+
+
+def make_controller(target_path: str, draft_path: str, k_max: int, device: str,
+                    dtype: str = "auto") -> StepController:
+    name = os.environ.get(ENV_POLICY, "specserve")
+    if name not in POLICIES:
+        raise ValueError(f"{ENV_POLICY} must be one of {', '.join(POLICIES)}, got {name!r}")
+    cost, calibration = load_cost(target_path, draft_path, device, dtype)
+    policy = make_policy(name, cost, k_max=k_max, calibration=calibration)
+    return StepController(policy, k_max, default_tpot_slo())

@@ -1,0 +1,116 @@
+"""The SGLang-free parts of sloserve's SGLang plugin, in the main environment: the step
+controller the SPECSERVE worker drives, the adapter SGLang's AdaptiveController calls, the
+request SLO field, and the launch command `--engine sglang` builds."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+from sloserve.bench.synthetic import cpu_cost_model
+from sloserve.estimator.step_time import StepTimer
+from sloserve.policies.registry import make_policy
+from sloserve.sglang_plugin import settings
+from sloserve.sglang_plugin.controller import SGLangStepsPolicy, StepController
+from sloserve.sglang_plugin.launch import sglang_args
+from sloserve.speculation import StepInfo
+
+COST = cpu_cost_model()
+
+
+def _controller(k_max: int = 4, slo: float | None = None) -> StepController:
+    return StepController(make_policy("specserve", COST, k_max=k_max), k_max, slo)
+
+
+def _run(ctl: StepController, n: int, accept: float, steps: int, seed: int = 0) -> list[int]:
+    """Decode steps of n requests whose drafts are each accepted with probability `accept`,
+    each taking the cost model's time; the draft lengths chosen."""
+    rng = np.random.default_rng(seed)
+    rids = [f"r{i}" for i in range(n)]
+    lens = [300] * n
+    ks = []
+    for _ in range(steps):
+        k = ctl.decide(rids, lens, [None] * n)
+        ok = rng.random((n, max(k, 1))) < accept
+        correct = [int(np.argmin(np.append(row[:k], False))) for row in ok]
+        d = ctl.pending
+        timer = StepTimer(COST, d.plan.step)
+        ctl.feedback(correct, now=d.started + timer.plan(np.full(n, k), np.full(n, k)))
+        lens = [x + c + 1 for x, c in zip(lens, correct)]
+        ks.append(k)
+    return ks
+
+
+def test_draft_length_follows_batch_size_and_acceptance():
+    one = np.mean(_run(_controller(), 1, 0.7, 40)[20:])
+    many = np.mean(_run(_controller(), 16, 0.7, 40)[20:])
+    poor = np.mean(_run(_controller(), 1, 0.1, 40)[20:])
+    assert one > many and one > poor and one >= 2
+
+
+def test_a_request_slo_below_a_speculative_step_turns_speculation_off():
+    ctl = _controller()
+    step = StepInfo(["a", "b"], np.array([299, 299]), np.full(2, np.inf), 4)
+    plain = StepTimer(COST, step).plain
+    assert ctl.decide(["a", "b"], [300, 300], [None, None]) > 0
+    ctl.feedback([1, 1])
+    assert ctl.decide(["a", "b"], [302, 302], [None, 1.1 * plain]) == 0
+    ctl.feedback([0, 0])
+
+
+def test_per_request_steps_are_reported_once_and_dropped_at_finish():
+    ctl = _controller()
+    ks = _run(ctl, 2, 0.8, 5)
+    assert ctl.take_steps("r0", finished=False) == ks
+    assert ctl.take_steps("r0", finished=False) == []
+    _run(ctl, 2, 0.8, 2, seed=1)
+    assert len(ctl.take_steps("r1", finished=True)) == 7
+    assert "r1" not in ctl.requests
+    ctl.release_policy("r0")
+    ctl.release_policy("r1")
+    assert len(ctl.policy.history) == 0
+
+
+def test_feedback_without_a_decision_is_ignored():
+    ctl = _controller()
+    ctl.feedback([1, 2])  # an idle or prefill batch: nothing planned
+    k = ctl.decide(["a"], [10], [None])
+    ctl.feedback([0, 0])  # a batch of another size than planned
+    assert ctl.pending is None and "a" not in ctl.requests and k >= 0
+
+
+def test_adapter_switches_to_the_decided_state():
+    ctl = _controller(k_max=3)
+    adapter = SGLangStepsPolicy(ctl)
+    assert adapter.candidate_steps == [0, 1, 2, 3]
+    adapter.set_cuda_graph_bs([1, 2, 4])
+    assert adapter.cuda_graph_bs_for_step(2) == [1, 2, 4]
+    k = ctl.decide(["a"], [50], [None])
+    assert adapter.get_steps_for_batch(1) == k
+    assert adapter.on_verify_complete([k], 1) is None
+
+
+@pytest.mark.parametrize("value, want", [(0.03, 0.03), (30, 30.0), (0, None), (-1, None),
+                                         ("0.03", None), (True, None), (float("inf"), None)])
+def test_request_slo_from_custom_params(value, want):
+    sp = types.SimpleNamespace(custom_params={"tpot_slo": value})
+    assert settings.request_tpot_slo(sp) == want
+    assert settings.request_tpot_slo(types.SimpleNamespace(custom_params=None)) is None
+
+
+def test_launch_command_for_the_built_in_pair_on_cpu(monkeypatch):
+    monkeypatch.setattr("sloserve.sglang_plugin.launch.cuda_available", lambda: False)
+    cmd, env = sglang_args(["--tpot-slo", "30ms", "--port", "31234", "--log-level", "warning"])
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    args = " ".join(cmd)
+    for part in ("--speculative-algorithm SPECSERVE", "--speculative-num-steps 4",
+                 "--speculative-num-draft-tokens 5", "--speculative-eagle-topk 1",
+                 "--disable-overlap-schedule", "--device cpu", "--attention-backend intel_amx",
+                 "--port 31234", "--log-level warning"):
+        assert part in args
+    assert float(env[settings.ENV_TPOT_SLO]) == pytest.approx(0.03)
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1" and "cpu_shim" in env["PYTHONPATH"]
+    plain, _ = sglang_args(["--spec-policy", "ar"])
+    assert "--speculative-algorithm" not in plain and "--disable-overlap-schedule" not in plain
