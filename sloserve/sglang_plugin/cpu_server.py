@@ -109,21 +109,21 @@ def start_server(cfg: CPUServerConfig, python: str, log_path: Path) -> subproces
     )
 
 
-def wait_ready(cfg: CPUServerConfig, proc: subprocess.Popen, timeout: float = 300.0) -> None:
-    """Block until GET /health_generate answers 200; raise if the process exits first or the
-    timeout passes."""
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
+    """Block until GET url/health_generate answers 200; raise if the process exits first or
+    the timeout passes."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"SGLang server exited with code {proc.returncode} before ready")
         try:
-            with urllib.request.urlopen(cfg.url + "/health_generate", timeout=30) as r:
+            with urllib.request.urlopen(url + "/health_generate", timeout=30) as r:
                 if r.status == 200:
                     return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
         time.sleep(1.0)
-    raise TimeoutError(f"SGLang server at {cfg.url} not ready after {timeout:.0f} s")
+    raise TimeoutError(f"SGLang server at {url} not ready after {timeout:.0f} s")
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> None:
