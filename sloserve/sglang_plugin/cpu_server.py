@@ -9,7 +9,10 @@ On CPUs without CUDA, SGLang 0.5.23 needs:
   machine's RAM (12.5 GB on a 24 GB machine);
 - `--attention-backend intel_amx`, the only CPU backend with speculative decoding; sloserve's
   plugin (sloserve.sglang_plugin.register, loaded by SGLang itself) keeps SGLang from replacing
-  it with torch_native on CPUs without AMX.
+  it with torch_native on CPUs without AMX;
+- `--sleep-on-idle`: an idle scheduler otherwise polls its sockets without pause and keeps a
+  core busy, which on a 2-core machine slows every other process (and every other server)
+  several-fold.
 The python running the server must have SGLang and sloserve installed
 (scripts/sglang_runtime_env.sh prepares one).
 """
@@ -81,6 +84,7 @@ def server_command(cfg: CPUServerConfig, python: str) -> list[str]:
         "--attention-backend", cfg.attention_backend,
         "--max-total-tokens", str(cfg.max_total_tokens),
         "--mem-fraction-static", str(cfg.mem_fraction_static),
+        "--sleep-on-idle",
     ]
     if cfg.spec is not None:
         cmd += cfg.spec.args()

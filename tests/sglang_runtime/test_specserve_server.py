@@ -182,28 +182,35 @@ def test_a_tight_request_slo_turns_speculation_off_for_its_batch(launched):
 
 
 def test_openai_client_and_sglang_frontend(launched):
+    """README's two client examples, as written there, against SPECSERVE in SGLang."""
     server = launched("specserve")
     from openai import OpenAI
 
     client = OpenAI(base_url=server.url + "/v1", api_key="none")
     model = client.models.list().data[0].id
     chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hello!"}], max_tokens=16,
+        extra_body={"tpot_slo": 0.05})
+    assert chat.choices[0].message.content is not None and chat.usage.completion_tokens > 0
+    chat = client.chat.completions.create(  # SGLang's place for a request's own SLO
         model=model, messages=[{"role": "user", "content": "Hello!"}], max_tokens=8,
         extra_body={"custom_params": {"tpot_slo": 0.5}})
-    assert chat.choices[0].message.content is not None and chat.usage.completion_tokens > 0
+    assert chat.usage.completion_tokens > 0
     text = "".join(c.choices[0].text for c in client.completions.create(
-        model=model, prompt="Once upon a time", max_tokens=8, stream=True))
+        model=model, prompt="Once upon a time", max_tokens=16, stream=True))
     assert text
     import sglang as sgl
 
     @sgl.function
     def qa(s, question):
-        s += "Q: " + question + "\nA:" + sgl.gen("answer", max_tokens=8, temperature=0)
+        s += "Q: " + question + "\nA:" + sgl.gen("answer", max_tokens=16, temperature=0)
+        s += "\nIs that right? " + sgl.select("verdict", choices=["yes", "no"])
 
     state = qa.run(question="What does speculative decoding do?",
                    backend=sgl.RuntimeEndpoint(server.url))
-    assert state["answer"] is not None and "sloserve_draft_steps" in \
-        state.get_meta_info("answer")
+    meta = state.get_meta_info("answer")
+    assert state["answer"] is not None and state["verdict"] in ("yes", "no")
+    assert meta["spec_accept_length"] >= 1.0 and len(meta["sloserve_draft_steps"]) >= 1
 
 
 def test_draft_equal_to_target_is_always_accepted(launched):
