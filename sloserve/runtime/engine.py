@@ -83,6 +83,11 @@ class Engine:
         if isinstance(prompt, str):
             if prompt == "":
                 raise InvalidRequest("prompt", "is empty")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidRequest("prompt", "is not valid Unicode text (a lone "
+                                     "surrogate)") from None
             ids = self.encode(prompt)
         else:
             ids = [int(t) for t in prompt]
@@ -107,6 +112,17 @@ class Engine:
             return False
         self.runner.finish(req, FinishReason.ABORT)
         return True
+
+    def drop_failed_step(self) -> list[str]:
+        """After step() raised: finish every running request as aborted (the failed batch,
+        whose lengths and KV may be half-updated) and free its blocks; waiting requests hold
+        no KV and stay queued. Returns the dropped ids. Raises (AssertionError, RuntimeError)
+        when the KV pool is inconsistent afterwards: then the engine cannot go on."""
+        failed = list(self.scheduler.running)
+        for req in failed:
+            self.runner.finish(req, FinishReason.ABORT)
+        self.check_idle_integrity()
+        return [r.rid for r in failed]
 
     @property
     def has_work(self) -> bool:

@@ -16,6 +16,12 @@ from dataclasses import dataclass, field
 import torch
 
 
+# Below this temperature sampling is argmax, as in SGLang (its _SAMPLING_EPS): logits / T
+# would overflow float32 (1e-40 is a float32 zero, 1e-300 too) and give NaN probabilities.
+GREEDY_TEMPERATURE = 1e-6
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+
+
 class InvalidRequest(ValueError):
     """Bad input from a client; the message names the field."""
 
@@ -46,7 +52,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self) -> None:
         def bad(name, msg):
@@ -62,6 +68,9 @@ class SamplingParams:
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             bad("top_k", f"must be -1 (off) or a positive integer, got {self.top_k!r}")
+        if self.seed is not None and not (
+                isinstance(self.seed, int) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            bad("seed", f"must be an integer in [-2**63, 2**64 - 1], got {self.seed!r:.40}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             bad("stop", "stop strings must be non-empty strings")
         for name in ("tpot_slo", "ttft_slo"):

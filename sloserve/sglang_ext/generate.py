@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from sloserve.runtime.async_engine import EngineDeadError
+from sloserve.runtime.async_engine import EngineFailure
 from sloserve.runtime.request import SamplingParams
 from sloserve.sglang_ext.errors import APIError, parse_body
 from sloserve.sglang_ext.logprobs import triples
@@ -159,7 +159,7 @@ async def _events(first: dict | None, chunks: AsyncIterator[dict]) -> AsyncItera
                 yield sse(first)
             async for chunk in chunks:
                 yield sse(chunk)
-        except (APIError, EngineDeadError) as e:
+        except (APIError, EngineFailure) as e:
             yield sse({"error": {"message": str(e)}})
     yield b"data: [DONE]\n\n"
 

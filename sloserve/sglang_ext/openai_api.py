@@ -12,7 +12,7 @@ from contextlib import aclosing
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from sloserve.runtime.async_engine import EngineDeadError
+from sloserve.runtime.async_engine import EngineDeadError, EngineFailure
 from sloserve.runtime.request import SamplingParams
 from sloserve.sglang_ext.errors import APIError, parse_body
 from sloserve.sglang_ext.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -144,6 +144,7 @@ async def _stream(st: ServingState, jobs: list[Job], head: dict, chat: bool, inc
                     yield chunk(i, delta, _finish(prog))
         if include_usage:
             yield _sse({**head, "choices": [], "usage": _usage(progs)})
-    except (APIError, EngineDeadError) as e:
-        yield _sse({"error": {"message": str(e), "type": "BadRequestError", "code": 400}})
+    except (APIError, EngineFailure) as e:
+        code = e.status if isinstance(e, APIError) else 503 if isinstance(e, EngineDeadError) else 500
+        yield _sse({"error": {"message": str(e), "type": type(e).__name__, "code": code}})
     yield b"data: [DONE]\n\n"
