@@ -166,16 +166,23 @@ def _check_policy(parser, spec: str, k_max: int, drafter: str) -> None:
         parser.error(f"argument --spec-policy: {e}")
 
 
-async def _serve(server, host: str, state) -> None:
+async def _serve(server, host: str, state) -> int:
+    """Serve until a signal (exit status 0) or until the engine stops for good (1, so that a
+    supervisor restarts the server: /health already answers 503 then)."""
     task = asyncio.create_task(server.serve())
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
     if server.started:
         port = server.servers[0].sockets[0].getsockname()[1]
         print(f"sloserve ready: http://{host}:{port}", flush=True)
+    status = 0
     while not server.should_exit and not task.done():
+        if not state.aengine.alive:
+            logging.getLogger(__name__).error("the engine stopped; shutting the server down")
+            server.should_exit, status = True, 1
+            break
         await asyncio.sleep(0.05)
-    if not task.done():
+    if not task.done() and status == 0:
         # a signal arrived: end the running requests now (streams get finish_reason "abort"
         # and [DONE]) so that uvicorn's graceful shutdown does not wait for them
         try:
@@ -183,6 +190,7 @@ async def _serve(server, host: str, state) -> None:
         except Exception:  # the engine thread may be gone; uvicorn still shuts down
             logging.getLogger(__name__).exception("aborting requests at shutdown failed")
     await task
+    return status
 
 
 def _engine_choice(argv: list[str]) -> tuple[str, list[str]]:
@@ -237,9 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     # handler that was installed before it: make that one a no-op so that we exit 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    asyncio.run(_serve(server, args.host, app.state.serving))
-    print("sloserve stopped", flush=True)
-    return 0
+    status = asyncio.run(_serve(server, args.host, app.state.serving))
+    print("sloserve stopped" if status == 0 else "sloserve stopped: the engine failed",
+          flush=True)
+    return status
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-
 # Below this temperature sampling is argmax, as in SGLang (its _SAMPLING_EPS): logits / T
 # would overflow float32 (1e-40 is a float32 zero, 1e-300 too) and give NaN probabilities.
 GREEDY_TEMPERATURE = 1e-6

@@ -10,14 +10,18 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 
 import httpx
 import pytest
+import uvicorn
 from server_testing import start_server, tiny_config
 
+from sloserve import launch
 from sloserve.runtime.async_engine import MAX_CONSECUTIVE_STEP_FAILURES, StepFailed
 from sloserve.runtime.engine import Engine
 from sloserve.runtime.request import SamplingParams
+from sloserve.sglang_ext.app import create_app
 
 PROMPT = [11, 57, 300, 42, 9]
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
@@ -189,20 +193,50 @@ def test_failed_non_streaming_request_is_a_json_500(live, client, reference):
     _normal_request_succeeds(client, reference)
 
 
+def _break_for_good(state) -> BaseException | None:
+    """MAX_CONSECUTIVE_STEP_FAILURES failed steps in a row; the last request's error."""
+    for i in range(MAX_CONSECUTIVE_STEP_FAILURES):
+        assert state.aengine.alive, i
+        err = _submit(state, _corrupted())
+    return err
+
+
 def test_engine_broken_for_good_stops_and_health_says_so(tiny_pair):
-    """Step after step failing is a broken engine, not a bad batch: it stops, /health and
-    every request answer 503 (launch then exits non-zero, see test_server_launch)."""
+    """Step after step failing is a broken engine, not a bad batch: it stops, and /health
+    and every request answer 503."""
     srv = start_server(Engine(tiny_config(tiny_pair)))
     try:
         with srv.client() as c:
-            for i in range(MAX_CONSECUTIVE_STEP_FAILURES):
-                assert c.get("/health").status_code == 200, i
-                err = _submit(srv.state, _corrupted())
-            assert not srv.state.aengine.alive
-            assert "in a row" in str(err)
+            assert c.get("/health").status_code == 200
+            err = _break_for_good(srv.state)
+            assert not srv.state.aengine.alive and "in a row" in str(err), err
             r = c.get("/health")
             assert r.status_code == 503 and "not running" in r.json()["message"]
             r = c.post("/generate", json={"input_ids": PROMPT, "sampling_params": GREEDY})
             assert r.status_code == 503 and r.json()["object"] == "error"
     finally:
         srv.stop()
+
+
+def test_launch_exits_1_when_the_engine_stops(tiny_pair):
+    """launch's serve loop shuts the server down with exit status 1 once the engine has
+    stopped, so that a supervisor restarts it."""
+    app = create_app(Engine(tiny_config(tiny_pair)))
+    state = app.state.serving
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                           lifespan="on"))
+    status: list[int] = []
+    thread = threading.Thread(target=lambda: status.append(
+        asyncio.run(launch._serve(server, "127.0.0.1", state))))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        _break_for_good(state)
+        thread.join(30)
+        assert status == [1]
+    finally:
+        server.should_exit = True
+        thread.join(30)
