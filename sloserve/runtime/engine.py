@@ -92,11 +92,7 @@ class Engine:
         else:
             ids = [int(t) for t in prompt]
         validate_prompt(ids, self.parts.target.cfg.vocab_size, self.max_context)
-        needed = len(ids) + 1 + self.cfg.k_max
-        if self.scheduler.alloc.blocks_for(needed) > self.scheduler.alloc.num_blocks:
-            raise InvalidRequest(
-                "prompt", f"{len(ids)} tokens do not fit the KV cache ({self.cfg.kv_cache_tokens} tokens)"
-            )
+        self.check_fits(len(ids), params.max_new_tokens)
         rid = rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         if rid in self.requests:
             raise InvalidRequest("rid", f"request id {rid!r} is already in use")
@@ -104,6 +100,33 @@ class Engine:
         self.requests[rid] = req
         self.runner.add(req)
         return req
+
+    @property
+    def kv_capacity(self) -> int:
+        """Tokens one request may grow to: the KV pool less the draft lookahead a decode
+        step reserves (the pool is shared, so this is what a request alone can use)."""
+        alloc = self.scheduler.alloc
+        return alloc.num_blocks * alloc.block_size - self.cfg.k_max
+
+    def max_new_tokens_that_fit(self, prompt_len: int) -> int:
+        """Most new tokens a prompt of prompt_len may ask for: the context window's and the
+        KV pool's room."""
+        return min(self.max_context, self.kv_capacity) - prompt_len
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Raise InvalidRequest unless the request fits the KV pool alone, to its last
+        token: one that cannot would be preempted and recomputed for ever."""
+        if prompt_len + 1 > self.kv_capacity:
+            raise InvalidRequest("prompt", f"{prompt_len} tokens do not fit the KV cache "
+                                 f"({self.cfg.kv_cache_tokens} tokens)")
+        # the context window cuts generation anyway: only that part needs KV
+        grows_to = prompt_len + min(max_new_tokens, self.max_context - prompt_len)
+        if grows_to > self.kv_capacity:
+            raise InvalidRequest(
+                "max_new_tokens", f"{max_new_tokens} new tokens after a prompt of {prompt_len} "
+                f"do not fit the KV cache ({self.cfg.kv_cache_tokens} tokens, {self.cfg.k_max} "
+                f"of them reserved for drafts): at most "
+                f"{self.max_new_tokens_that_fit(prompt_len)}")
 
     def abort(self, rid: str) -> bool:
         """Stop a request now and free its KV blocks. False if it is unknown or finished."""

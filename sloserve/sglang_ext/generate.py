@@ -49,6 +49,7 @@ def prepare(state: ServingState, item: Item, batched: bool) -> Job:
         len(ids))
     if max_new < 0:
         raise APIError.bad("sampling_params.max_new_tokens", f"must be >= 0, got {max_new}")
+    state.check_fits(len(ids), max(max_new, 1), field, "sampling_params.max_new_tokens")
     params = to_engine_params(sp, max_new_tokens=max(max_new, 1))
     if item.return_logprob and item.logprob_start_len > len(ids):
         raise APIError.bad("logprob_start_len", f"{item.logprob_start_len} is beyond the "

@@ -34,7 +34,8 @@ async def models(request: Request):
     return {"object": "list", "data": [card]}
 
 
-def _jobs(st: ServingState, body, prompts: list, max_new: int | None, field: str) -> list[Job]:
+def _jobs(st: ServingState, body, prompts: list, max_new: int | None, field: str,
+          max_field: str = "max_tokens") -> list[Job]:
     if max_new is not None and max_new < 1:
         raise APIError.bad("max_tokens", f"must be >= 1, got {max_new}")
     jobs = []
@@ -42,6 +43,7 @@ def _jobs(st: ServingState, body, prompts: list, max_new: int | None, field: str
         name = field if len(prompts) == 1 else f"{field}[{i}]"
         ids = st.prompt_ids(p, name)
         n = max_new if max_new is not None else st.default_max_tokens(len(ids))
+        st.check_fits(len(ids), n, name, max_field)
         jobs.append((ids, body.engine_params(n)))
     return jobs
 
@@ -68,7 +70,8 @@ async def chat_completions(request: Request):
         text = st.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # jinja raises for conversations a template forbids
         raise APIError.bad("messages", f"the chat template rejected them: {e}") from None
-    jobs = _jobs(st, body, [text], body.max_new, "messages")
+    max_field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+    jobs = _jobs(st, body, [text], body.max_new, "messages", max_field)
     return await _respond(request, st, body, jobs, chat=True)
 
 

@@ -101,14 +101,23 @@ class ServingState:
         except InvalidRequest as e:
             name = field_name if e.field == "prompt" else e.field
             raise APIError.bad(name, str(e).split(": ", 1)[1]) from None
-        alloc = self.engine.scheduler.alloc  # immutable sizes only; same check as the engine
-        if alloc.blocks_for(len(ids) + 1 + self.cfg.k_max) > alloc.num_blocks:
-            raise APIError.bad(field_name, f"{len(ids)} tokens do not fit the KV cache "
-                               f"({self.cfg.kv_cache_tokens} tokens)")
+        self.check_fits(len(ids), 1, field_name, "max_new_tokens")
         return ids
 
+    def check_fits(self, prompt_len: int, max_new: int, prompt_field: str, max_field: str
+                   ) -> None:
+        """400 unless the request fits the KV pool alone (the engine's own check, on
+        immutable sizes, so it may run here): one that cannot would never finish."""
+        try:
+            self.engine.check_fits(prompt_len, max_new)
+        except InvalidRequest as e:
+            name = prompt_field if e.field == "prompt" else max_field
+            raise APIError.bad(name, str(e).split(": ", 1)[1]) from None
+
     def default_max_tokens(self, prompt_len: int) -> int:
-        return max(1, self.max_context - prompt_len)
+        """New tokens of a request that gives no limit: as many as the context window and
+        the KV pool hold."""
+        return max(1, self.engine.max_new_tokens_that_fit(prompt_len))
 
     # ----- engine access
     async def call(self, fn: Callable[[Engine], T]) -> T:

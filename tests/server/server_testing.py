@@ -20,11 +20,14 @@ TIMEOUT = httpx.Timeout(60.0)
 
 
 def tiny_config(tiny_pair, **kw) -> EngineConfig:
-    return EngineConfig(
-        model_path=tiny_pair[0], draft_model_path=tiny_pair[1], spec_policy="fixed:3",
-        kv_cache_tokens=16384, block_size=8,
-        scheduler=SchedulerConfig(max_running_requests=64, max_step_tokens=512), **kw,
-    )
+    """The tiny pair with fixed speculation; keyword arguments override EngineConfig fields
+    (and max_running_requests / max_queued_requests the scheduler's)."""
+    sched = {"max_running_requests": 64, "max_step_tokens": 512}
+    sched.update({k: kw.pop(k) for k in ("max_running_requests", "max_queued_requests")
+                  if k in kw})
+    base = dict(model_path=tiny_pair[0], draft_model_path=tiny_pair[1], spec_policy="fixed:3",
+                kv_cache_tokens=16384, block_size=8)
+    return EngineConfig(**{**base, **kw}, scheduler=SchedulerConfig(**sched))
 
 
 @dataclass
