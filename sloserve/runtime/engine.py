@@ -30,6 +30,10 @@ from sloserve.runtime.stats import EngineStats
 from sloserve.runtime.step import StepRunner
 
 
+class QueueFull(RuntimeError):
+    """More requests wait than SchedulerConfig.max_queued_requests allows: come back later."""
+
+
 @dataclass
 class RequestOutput:
     """What one step produced for one request (deltas), and its totals."""
@@ -93,6 +97,7 @@ class Engine:
             ids = [int(t) for t in prompt]
         validate_prompt(ids, self.parts.target.cfg.vocab_size, self.max_context)
         self.check_fits(len(ids), params.max_new_tokens)
+        self._check_queue()
         rid = rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         if rid in self.requests:
             raise InvalidRequest("rid", f"request id {rid!r} is already in use")
@@ -100,6 +105,19 @@ class Engine:
         self.requests[rid] = req
         self.runner.add(req)
         return req
+
+    def _check_queue(self) -> None:
+        """Raise QueueFull when max_queued_requests requests already wait beyond the running
+        slots free at the next step."""
+        sched = self.scheduler
+        limit = sched.cfg.max_queued_requests
+        if limit is None:
+            return
+        free_slots = max(0, sched.cfg.max_running_requests - len(sched.running))
+        queued = len(sched.waiting) - free_slots
+        if queued >= limit:
+            raise QueueFull(f"the request queue is full ({queued} waiting, "
+                            f"--max-queued-requests {limit}); retry later")
 
     @property
     def kv_capacity(self) -> int:

@@ -25,19 +25,22 @@ from sloserve.runtime.request import InvalidRequest
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
-_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed",
-          413: "RequestTooLarge", 503: "ServiceUnavailable", 500: "InternalServerError"}
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+          405: "MethodNotAllowed", 408: "RequestTimeout", 413: "RequestTooLarge",
+          415: "UnsupportedMediaType", 503: "ServiceUnavailable", 500: "InternalServerError"}
 
 
 class APIError(Exception):
     """An error answered to the client: HTTP status, a message naming the problem, and the
     offending parameter (or None)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.headers = headers  # e.g. Retry-After, WWW-Authenticate, Connection: close
 
     @classmethod
     def bad(cls, param: str | None, message: str) -> APIError:
@@ -163,21 +166,24 @@ def _lone_surrogate(x: Any, path: str) -> str | None:
     return None
 
 
-def _body(request: Request, status: int, message: str, param: str | None) -> dict:
+def error_body(path: str, status: int, message: str, param: str | None) -> dict:
+    """The error JSON of the API family `path` belongs to."""
     kind = _TYPES.get(status, "Error")
-    if request.url.path.startswith("/v1/"):
+    if path.startswith("/v1/"):
         return {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return {"object": "error", "message": message, "type": kind, "param": param, "code": status}
 
 
-def error_response(request: Request, status: int, message: str, param: str | None = None):
-    return JSONResponse(_body(request, status, message, param), status_code=status)
+def error_response(request: Request, status: int, message: str, param: str | None = None,
+                   headers: dict[str, str] | None = None):
+    return JSONResponse(error_body(request.url.path, status, message, param),
+                        status_code=status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api(request: Request, exc: APIError):
-        return error_response(request, exc.status, exc.message, exc.param)
+        return error_response(request, exc.status, exc.message, exc.param, exc.headers)
 
     @app.exception_handler(InvalidRequest)
     async def _invalid(request: Request, exc: InvalidRequest):

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from sloserve.runtime.async_engine import AsyncEngine
-from sloserve.runtime.engine import Engine, RequestOutput
+from sloserve.runtime.engine import Engine, QueueFull, RequestOutput
 from sloserve.runtime.engine_setup import load_tokenizer, model_name
 from sloserve.runtime.request import InvalidRequest, SamplingParams, validate_prompt
 from sloserve.sglang_ext.errors import APIError, from_invalid
@@ -24,6 +24,7 @@ from sloserve.sglang_ext.metrics import EngineSnapshot, ServerMetrics, take_snap
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 SCORE_WAIT_S = 30.0  # how long a scoring pass waits for free KV blocks before a 503
+RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait
 
 
 @dataclass
@@ -154,6 +155,9 @@ class ServingState:
                 yield prog
         except InvalidRequest as e:
             raise from_invalid(e) from None
+        except QueueFull as e:
+            self.metrics.rejected_queue_full.inc()
+            raise APIError(503, str(e), None, {"Retry-After": str(RETRY_AFTER_S)}) from None
         finally:
             await gen.aclose()  # aborts the request if it has not finished
 
