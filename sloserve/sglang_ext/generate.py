@@ -40,10 +40,10 @@ class Job:
     params: SamplingParams | None  # None: max_new_tokens == 0 (prefill only, no engine request)
 
 
-def prepare(state: ServingState, item: Item, batched: bool) -> Job:
+async def prepare(state: ServingState, item: Item, batched: bool) -> Job:
     where = f"[{item.index}]" if batched else ""
     field = ("text" if isinstance(item.prompt, str) else "input_ids") + where
-    ids = state.prompt_ids(item.prompt, field)
+    ids = await state.prompt_ids(item.prompt, field)
     sp = item.sp
     max_new = sp.max_new_tokens if sp.max_new_tokens is not None else state.default_max_tokens(
         len(ids))
@@ -174,7 +174,10 @@ async def _items_stream(state: ServingState, jobs: list[Job]) -> AsyncIterator[d
 async def generate(request: Request, state: ServingState):
     req = await parse_body(request, GenerateRequest)
     items, batched = normalize(req)
-    jobs = [prepare(state, it, batched) for it in items]
+    for it in items:  # every text measured before any is tokenized
+        if isinstance(it.prompt, str):
+            state.check_text_size(len(it.prompt), f"text[{it.index}]" if batched else "text")
+    jobs = [await prepare(state, it, batched) for it in items]
     if req.stream:
         if batched:
             return StreamingResponse(_events(None, _items_stream(state, jobs)),

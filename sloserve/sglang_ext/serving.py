@@ -69,6 +69,13 @@ def _trim_stop(text: str, stop: str) -> str:
     return text
 
 
+def longest_token_chars(tokenizer) -> int:
+    """An upper bound on the characters of text one token stands for: the longest token
+    string of the vocabulary (byte-level BPE writes a byte as one character, sentencepiece
+    a space as one '▁', a byte fallback as six), at least 16."""
+    return max([16, *(len(t) for t in tokenizer.get_vocab())])
+
+
 class ServingState:
     """One per server. Owns the AsyncEngine (its engine thread) and the metrics registry."""
 
@@ -82,6 +89,9 @@ class ServingState:
         self.model_name = served_model_name or model_name(self.model_path)
         self.vocab_size = engine.parts.target.cfg.vocab_size
         self.max_context = engine.max_context
+        self.max_prompt_tokens = max(1, min(self.max_context, engine.kv_capacity) - 1)
+        self.max_token_chars = longest_token_chars(self.tokenizer)
+        self.max_prompt_chars = self.max_prompt_tokens * self.max_token_chars
         self.metrics = ServerMetrics()
         self.started = time.time()
 
@@ -89,13 +99,28 @@ class ServingState:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def prompt_ids(self, prompt: str | list[int], field_name: str = "text") -> list[int]:
-        """Token ids of a prompt; 400 when empty, out of vocabulary or too long."""
+    def check_text_size(self, text_len: int, field_name: str) -> None:
+        """400 before tokenizing a text that cannot fit: more characters than the longest
+        prompt that fits could hold (a 10 MB text took 10-23 s to tokenize)."""
+        if text_len > self.max_prompt_chars:
+            raise APIError.bad(field_name, f"has {text_len} characters; the at most "
+                               f"{self.max_prompt_tokens} tokens a prompt may have cover at "
+                               f"most {self.max_prompt_chars} (no token of this tokenizer "
+                               f"spans more than {self.max_token_chars})")
+
+    async def prompt_ids(self, prompt: str | list[int], field_name: str = "text") -> list[int]:
+        """Token ids of a prompt; 400 when empty, out of vocabulary or too long. A text is
+        measured first and tokenized on a worker thread (the event loop keeps serving)."""
         if isinstance(prompt, str):
             if prompt == "":
                 raise APIError.bad(field_name, "is empty")
-            ids = self.encode(prompt)
+            self.check_text_size(len(prompt), field_name)
+            ids = await asyncio.to_thread(self.encode, prompt)
         else:
+            if len(prompt) > self.max_prompt_tokens:  # before looking at every id
+                raise APIError.bad(field_name, f"has {len(prompt)} tokens; at most "
+                                   f"{self.max_prompt_tokens} fit (context window "
+                                   f"{self.max_context}, KV cache {self.cfg.kv_cache_tokens})")
             ids = list(prompt)
         try:
             validate_prompt(ids, self.vocab_size, self.max_context)
