@@ -29,8 +29,9 @@ class HeaderTimeoutH11Protocol(H11Protocol):
         self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late)
 
     def _disarm(self) -> None:
-        if getattr(self, "_header_timer", None) is not None:
-            self._header_timer.cancel()
+        timer = getattr(self, "_header_timer", None)
+        if timer is not None:
+            timer.cancel()
             self._header_timer = None
 
     def handle_events(self) -> None:
