@@ -118,7 +118,9 @@ class StepController:
             with open(self.timings_path, "a") as f:
                 f.write(json.dumps({"batch": B, "context": d.context, "k": k,
                                     "draft": d.draft_time, "extend": d.extend_time,
-                                    "verify": d.verify_time, "step": step_time}) + "\n")
+                                    "verify": d.verify_time, "step": step_time,
+                                    "accepted": int(accepted.sum()),
+                                    "planned_time": d.plan.time}) + "\n")
         for rid, a in zip(d.rids, accepted.tolist()):
             r = self.requests.setdefault(rid, RequestSpec())
             r.unsent.append(k)

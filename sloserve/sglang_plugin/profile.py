@@ -32,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +47,7 @@ from sloserve.estimator.profile_file import (
 from sloserve.estimator.profile_lookup import default_dirs, fingerprint
 from sloserve.profiler.fit import fit_forward_cost
 from sloserve.sglang_plugin import settings
+from sloserve.sglang_plugin.cpu_server import wait_ready
 
 WARMUP_REQUESTS = 2
 
@@ -81,21 +81,6 @@ def _post(url: str, body: dict, timeout: float = 1800.0) -> dict:
                                  {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"SGLang's server exited with code {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health_generate", timeout=30) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(1.0)
-    raise TimeoutError(f"SGLang's server not ready after {timeout:.0f} s")
 
 
 def drive(url: str, levels: Sequence[int], new_tokens: int, max_prompt: int,
@@ -156,7 +141,7 @@ def main(argv: Sequence[str]) -> int:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
-            _wait_ready(url, proc, 900)
+            wait_ready(url, proc, 900)
             with open(Path(target) / "config.json") as f:
                 vocab = json.load(f)["vocab_size"]
             drive(url, levels, args.new_tokens, args.max_prompt, vocab, args.rounds)
