@@ -24,9 +24,10 @@ from pathlib import Path
 
 from sloserve.runtime.config import EngineConfig
 from sloserve.runtime.scheduler import SchedulerConfig
+from sloserve.sglang_ext.http_options import HTTPOptions
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s)?\s*$")
-_ENGINE, _SCHED = EngineConfig(), SchedulerConfig()
+_ENGINE, _SCHED, _HTTP = EngineConfig(), SchedulerConfig(), HTTPOptions()
 
 
 def duration(text: str) -> float:
@@ -53,6 +54,25 @@ def _int_in(lo: int, hi: int | None = None):
 
     parse.__name__ = "integer"
     return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"invalid number of seconds {text!r}: use a "
+                                         "positive number, e.g. 10 or 0.5")
+    return v
+
+
+def http_options(args: argparse.Namespace) -> HTTPOptions:
+    return HTTPOptions(
+        host=args.host, api_key=args.api_key,
+        allowed_hosts=tuple(args.allowed_hosts) if args.allowed_hosts else None,
+        allowed_origins=tuple(args.allowed_origins), max_body_bytes=args.max_request_body_bytes,
+        body_timeout_s=args.request_body_timeout, header_timeout_s=args.request_header_timeout)
 
 
 def _existing_dir(text: str) -> str:
@@ -103,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     e = p.add_argument_group("engine")
     e.add_argument("--max-running-requests", type=_int_in(1), default=_SCHED.max_running_requests,
                    help="most requests decoding at once")
+    e.add_argument("--max-queued-requests", type=_int_in(0), default=None,
+                   help="most requests waiting for a running slot; more are answered 503 "
+                   "with Retry-After (default: no limit)")
     e.add_argument("--max-step-tokens", type=_int_in(1), default=_SCHED.max_step_tokens,
                    help="target query tokens per step (prefill chunks + decodes)")
     e.add_argument("--kv-cache-tokens", type=_int_in(1), default=_ENGINE.kv_cache_tokens,
@@ -127,6 +150,22 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--host", default="127.0.0.1", help="address to listen on")
     h.add_argument("--port", type=_int_in(0, 65535), default=30000,
                    help="port to listen on (0: any free port; the ready line shows it)")
+    h.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health, "
+                   "/health_generate and /metrics (as SGLang)")
+    h.add_argument("--allowed-hosts", nargs="+", default=None, metavar="NAME",
+                   help="Host header names served ('*': any); default: the --host address "
+                   "(and localhost names when it is a loopback one), any for 0.0.0.0 / ::")
+    h.add_argument("--allowed-origins", nargs="+", default=(), metavar="ORIGIN",
+                   help="origins allowed cross-site (CORS), e.g. https://app.example; "
+                   "default: none (CORS off)")
+    h.add_argument("--max-request-body-bytes", type=_int_in(1), default=_HTTP.max_body_bytes,
+                   help="larger request bodies are answered 413 before they are read")
+    h.add_argument("--request-header-timeout", type=_seconds, default=_HTTP.header_timeout_s,
+                   help="seconds a request's headers may take to arrive (then the connection "
+                   "is closed)")
+    h.add_argument("--request-body-timeout", type=_seconds, default=_HTTP.body_timeout_s,
+                   help="seconds a request's body may take to arrive (then 408)")
     h.add_argument("--log-level", default="info",
                    choices=("debug", "info", "warning", "error", "critical"),
                    help="logging level of the server and of uvicorn")
@@ -148,7 +187,8 @@ def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         spec_policy=args.spec_policy, k_max=args.k_max, tpot_slo=args.tpot_slo,
         ttft_slo=args.ttft_slo, kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size,
         scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,
-                                  max_step_tokens=args.max_step_tokens),
+                                  max_step_tokens=args.max_step_tokens,
+                                  max_queued_requests=args.max_queued_requests),
         attention_backend=args.attention_backend, device=args.device, dtype=args.dtype,
         profile_path=args.profile_path, seed=args.seed, num_threads=args.num_threads,
     )
@@ -166,16 +206,23 @@ def _check_policy(parser, spec: str, k_max: int, drafter: str) -> None:
         parser.error(f"argument --spec-policy: {e}")
 
 
-async def _serve(server, host: str, state) -> None:
+async def _serve(server, host: str, state) -> int:
+    """Serve until a signal (exit status 0) or until the engine stops for good (1, so that a
+    supervisor restarts the server: /health already answers 503 then)."""
     task = asyncio.create_task(server.serve())
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
     if server.started:
         port = server.servers[0].sockets[0].getsockname()[1]
         print(f"sloserve ready: http://{host}:{port}", flush=True)
+    status = 0
     while not server.should_exit and not task.done():
+        if not state.aengine.alive:
+            logging.getLogger(__name__).error("the engine stopped; shutting the server down")
+            server.should_exit, status = True, 1
+            break
         await asyncio.sleep(0.05)
-    if not task.done():
+    if not task.done() and status == 0:
         # a signal arrived: end the running requests now (streams get finish_reason "abort"
         # and [DONE]) so that uvicorn's graceful shutdown does not wait for them
         try:
@@ -183,6 +230,7 @@ async def _serve(server, host: str, state) -> None:
         except Exception:  # the engine thread may be gone; uvicorn still shuts down
             logging.getLogger(__name__).exception("aborting requests at shutdown failed")
     await task
+    return status
 
 
 def _engine_choice(argv: list[str]) -> tuple[str, list[str]]:
@@ -223,23 +271,27 @@ def main(argv: list[str] | None = None) -> int:
 
     from sloserve.runtime.engine import Engine
     from sloserve.sglang_ext.app import create_app
+    from sloserve.sglang_ext.http_protocol import with_header_timeout
 
     try:
         engine = Engine(cfg)
     except (ValueError, OSError) as e:  # ModelLoadError is a ValueError
         print(f"error: cannot start the engine: {e}", file=sys.stderr)
         return 1
-    app = create_app(engine, args.served_model_name)
+    opts = http_options(args)
+    app = create_app(engine, args.served_model_name, opts)
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
-        timeout_graceful_shutdown=5, lifespan="on"))
+        timeout_graceful_shutdown=5, lifespan="on",
+        http=with_header_timeout(opts.header_timeout_s)))
     # uvicorn handles SIGINT/SIGTERM (graceful shutdown), then re-raises the signal to the
     # handler that was installed before it: make that one a no-op so that we exit 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    asyncio.run(_serve(server, args.host, app.state.serving))
-    print("sloserve stopped", flush=True)
-    return 0
+    status = asyncio.run(_serve(server, args.host, app.state.serving))
+    print("sloserve stopped" if status == 0 else "sloserve stopped: the engine failed",
+          flush=True)
+    return status
 
 
 if __name__ == "__main__":

@@ -4,6 +4,12 @@ One background thread owns the engine and runs its step loop; nothing else touch
 Callers submit commands through a queue and receive each request's outputs on an asyncio
 queue. Invalid requests raise in the caller (before any streaming); a consumer that stops
 early (client disconnect) aborts its request, which frees its KV blocks.
+
+A step that raises fails only its batch: the running requests get StepFailed, their KV
+blocks go back to the pool, and the loop goes on with the waiting ones. The engine stops
+(every request gets EngineDeadError, `alive` turns False) only when the KV pool is
+inconsistent after such a failure, when MAX_CONSECUTIVE_STEP_FAILURES steps fail in a row,
+or when anything outside a step fails.
 """
 
 from __future__ import annotations
@@ -25,8 +31,20 @@ from sloserve.runtime.request import SamplingParams
 log = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
-    pass
+class EngineFailure(RuntimeError):
+    """The engine could not finish a request (not the request's fault)."""
+
+
+class EngineDeadError(EngineFailure):
+    """The engine thread has stopped: nothing can be served until a restart."""
+
+
+class StepFailed(EngineFailure):
+    """The engine step that ran this request raised; the request was dropped and the engine
+    went on with the others."""
+
+
+MAX_CONSECUTIVE_STEP_FAILURES = 8  # then the engine is broken, not one batch: it stops
 
 
 @dataclass
@@ -45,6 +63,8 @@ class AsyncEngine:
         self._sinks: dict[str, Callable] = {}
         self._stop = threading.Event()
         self._error: BaseException | None = None
+        self.failed_steps = 0  # steps that raised and were recovered from
+        self._consecutive_failures = 0
         self._thread = threading.Thread(target=self._loop, name="sloserve-engine", daemon=True)
         release_openmp_workers()  # the engine thread's OpenMP pool must be the only one
         self._thread.start()
@@ -149,11 +169,35 @@ class AsyncEngine:
                     block = False
                     self._handle(cmd)
                 if eng.has_work:
-                    self._dispatch(eng.step())
-            except BaseException as e:  # a bug in a step: fail every request loudly
-                log.exception("engine step failed")
+                    try:
+                        outs = eng.step()
+                    except Exception as e:
+                        self._recover(e)
+                    else:
+                        self._consecutive_failures = 0
+                        self._dispatch(outs)
+            except BaseException as e:  # outside a step, or recovery failed: stop loudly
+                log.exception("engine loop failed; the engine stops")
                 self._error = e
                 for sink in self._sinks.values():
                     sink(EngineDeadError(f"engine failed: {e}"))
                 self._sinks.clear()
                 return
+
+    def _recover(self, error: Exception) -> None:
+        """A step raised: fail its batch, keep the rest. Raises when that is not safe."""
+        log.exception("engine step failed; failing its requests")
+        self._consecutive_failures += 1
+        if self._consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise RuntimeError(f"{self._consecutive_failures} engine steps failed in a row, "
+                               f"the last with: {error!r}") from error
+        dropped = self.engine.drop_failed_step()  # raises if the KV pool is inconsistent
+        self.failed_steps += 1
+        for rid in dropped:
+            sink = self._sinks.pop(rid, None)
+            if sink is not None:
+                sink(StepFailed(f"the engine step running this request failed ({error!r:.200}); "
+                                "the request was dropped, the server goes on"))
+        self._dispatch(self.engine.take_aborted())  # the dropped ones find no sink now
+        log.warning("dropped %d requests of the failed step; %d waiting go on",
+                    len(dropped), len(self.engine.scheduler.waiting))

@@ -30,6 +30,10 @@ from sloserve.runtime.stats import EngineStats
 from sloserve.runtime.step import StepRunner
 
 
+class QueueFull(RuntimeError):
+    """More requests wait than SchedulerConfig.max_queued_requests allows: come back later."""
+
+
 @dataclass
 class RequestOutput:
     """What one step produced for one request (deltas), and its totals."""
@@ -83,15 +87,17 @@ class Engine:
         if isinstance(prompt, str):
             if prompt == "":
                 raise InvalidRequest("prompt", "is empty")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidRequest("prompt", "is not valid Unicode text (a lone "
+                                     "surrogate)") from None
             ids = self.encode(prompt)
         else:
             ids = [int(t) for t in prompt]
         validate_prompt(ids, self.parts.target.cfg.vocab_size, self.max_context)
-        needed = len(ids) + 1 + self.cfg.k_max
-        if self.scheduler.alloc.blocks_for(needed) > self.scheduler.alloc.num_blocks:
-            raise InvalidRequest(
-                "prompt", f"{len(ids)} tokens do not fit the KV cache ({self.cfg.kv_cache_tokens} tokens)"
-            )
+        self.check_fits(len(ids), params.max_new_tokens)
+        self._check_queue()
         rid = rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         if rid in self.requests:
             raise InvalidRequest("rid", f"request id {rid!r} is already in use")
@@ -100,6 +106,46 @@ class Engine:
         self.runner.add(req)
         return req
 
+    def _check_queue(self) -> None:
+        """Raise QueueFull when max_queued_requests requests already wait beyond the running
+        slots free at the next step."""
+        sched = self.scheduler
+        limit = sched.cfg.max_queued_requests
+        if limit is None:
+            return
+        free_slots = max(0, sched.cfg.max_running_requests - len(sched.running))
+        queued = len(sched.waiting) - free_slots
+        if queued >= limit:
+            raise QueueFull(f"the request queue is full ({queued} waiting, "
+                            f"--max-queued-requests {limit}); retry later")
+
+    @property
+    def kv_capacity(self) -> int:
+        """Tokens one request may grow to: the KV pool less the draft lookahead a decode
+        step reserves (the pool is shared, so this is what a request alone can use)."""
+        alloc = self.scheduler.alloc
+        return alloc.num_blocks * alloc.block_size - self.cfg.k_max
+
+    def max_new_tokens_that_fit(self, prompt_len: int) -> int:
+        """Most new tokens a prompt of prompt_len may ask for: the context window's and the
+        KV pool's room."""
+        return min(self.max_context, self.kv_capacity) - prompt_len
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Raise InvalidRequest unless the request fits the KV pool alone, to its last
+        token: one that cannot would be preempted and recomputed for ever."""
+        if prompt_len + 1 > self.kv_capacity:
+            raise InvalidRequest("prompt", f"{prompt_len} tokens do not fit the KV cache "
+                                 f"({self.cfg.kv_cache_tokens} tokens)")
+        # the context window cuts generation anyway: only that part needs KV
+        grows_to = prompt_len + min(max_new_tokens, self.max_context - prompt_len)
+        if grows_to > self.kv_capacity:
+            raise InvalidRequest(
+                "max_new_tokens", f"{max_new_tokens} new tokens after a prompt of {prompt_len} "
+                f"do not fit the KV cache ({self.cfg.kv_cache_tokens} tokens, {self.cfg.k_max} "
+                f"of them reserved for drafts): at most "
+                f"{self.max_new_tokens_that_fit(prompt_len)}")
+
     def abort(self, rid: str) -> bool:
         """Stop a request now and free its KV blocks. False if it is unknown or finished."""
         req = self.requests.get(rid)
@@ -107,6 +153,17 @@ class Engine:
             return False
         self.runner.finish(req, FinishReason.ABORT)
         return True
+
+    def drop_failed_step(self) -> list[str]:
+        """After step() raised: finish every running request as aborted (the failed batch,
+        whose lengths and KV may be half-updated) and free its blocks; waiting requests hold
+        no KV and stay queued. Returns the dropped ids. Raises (AssertionError, RuntimeError)
+        when the KV pool is inconsistent afterwards: then the engine cannot go on."""
+        failed = list(self.scheduler.running)
+        for req in failed:
+            self.runner.finish(req, FinishReason.ABORT)
+        self.check_idle_integrity()
+        return [r.rid for r in failed]
 
     @property
     def has_work(self) -> bool:

@@ -10,10 +10,16 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+# Below this temperature sampling is argmax, as in SGLang (its _SAMPLING_EPS): logits / T
+# would overflow float32 (1e-40 is a float32 zero, 1e-300 too) and give NaN probabilities.
+GREEDY_TEMPERATURE = 1e-6
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
 class InvalidRequest(ValueError):
@@ -40,34 +46,58 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        if not isinstance(self.stop, (list, tuple)):
+            raise InvalidRequest("stop", f"must be a string or a list of strings, got "
+                                 f"{self.stop!r:.40}")
         object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids):
+            raise InvalidRequest("stop_token_ids", f"must be a list of integers, got {ids!r:.40}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
         self.validate()
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self) -> None:
         def bad(name, msg):
             raise InvalidRequest(name, msg)
 
-        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool):
-            bad("max_new_tokens", f"must be an integer, got {self.max_new_tokens!r}")
+        # types first: the in-process API gets whatever a caller passes
+        for name in ("temperature", "top_p", "tpot_slo", "ttft_slo"):
+            v = getattr(self, name)
+            if not (_is_real(v) or (v is None and name.endswith("_slo"))):
+                bad(name, f"must be a number, got {v!r:.40}")
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", f"must be true or false, got {self.ignore_eos!r:.40}")
+        if not _is_int(self.max_new_tokens):
+            bad("max_new_tokens", f"must be an integer, got {self.max_new_tokens!r:.40}")
         if self.max_new_tokens <= 0:
             bad("max_new_tokens", f"must be > 0, got {self.max_new_tokens}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             bad("temperature", f"must be >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k < -1:
             bad("top_k", f"must be -1 (off) or a positive integer, got {self.top_k!r}")
+        if self.seed is not None and not (
+                _is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            bad("seed", f"must be an integer in [-2**63, 2**64 - 1], got {self.seed!r:.40}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             bad("stop", "stop strings must be non-empty strings")
         for name in ("tpot_slo", "ttft_slo"):
             v = getattr(self, name)
             if v is not None and not (v > 0 and math.isfinite(v)):
                 bad(name, f"must be a positive number of seconds, got {v}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 class Status(enum.Enum):

@@ -12,13 +12,21 @@ import torch
 
 from sloserve.runtime.request import SamplingParams
 
+MAX_TEMPERATURE = 1e6  # softmax(logits / 1e6) is uniform to float32 precision
+
 
 def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """logits: [N, V] float32, one row per entry of params (all with temperature > 0).
     Returns probs [N, V]: softmax(logits / T), then top-k, then top-p, renormalised."""
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+    vocab = logits.shape[-1]
+    # every value is brought into the range its tensor holds before it becomes one: a
+    # temperature above MAX_TEMPERATURE is uniform sampling already (and inf would turn a
+    # masked -inf logit into NaN); top_k beyond the vocabulary is no top-k (and 10**30
+    # overflows int64); top_p below float32's smallest value is "the top token only"
+    temps = torch.tensor([min(p.temperature, MAX_TEMPERATURE) for p in params],
+                         dtype=logits.dtype)
     probs = torch.softmax(logits / temps[:, None], dim=-1)
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else 0 for p in params])
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params])
     top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
     if not ((top_k > 0).any() or (top_p < 1).any()):
         return probs
@@ -27,7 +35,8 @@ def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     sorted_p = torch.where((top_k[:, None] > 0) & (rank[None, :] >= top_k[:, None]), 0.0, sorted_p)
     sorted_p = sorted_p / sorted_p.sum(-1, keepdim=True)
     before = sorted_p.cumsum(-1) - sorted_p  # mass of the strictly more likely tokens
-    sorted_p = torch.where(before >= top_p[:, None], 0.0, sorted_p)  # keeps the top token always
+    # the top token stays even when top_p rounds to 0 in float32
+    sorted_p = torch.where((rank[None, :] > 0) & (before >= top_p[:, None]), 0.0, sorted_p)
     out = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
     return out / out.sum(-1, keepdim=True)
 

@@ -21,6 +21,7 @@ class SchedulerConfig:
     max_step_tokens: int = 2048  # target query tokens per step: decodes count 1, prefill chunks
     # their length
     chunked_prefill: bool = True
+    max_queued_requests: int | None = None  # most waiting requests; None: no limit
 
 
 @dataclass

@@ -7,19 +7,25 @@ import logging
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 
 from sloserve.runtime.engine import Engine
 from sloserve.sglang_ext import native_api, openai_api
 from sloserve.sglang_ext.errors import install_error_handlers
+from sloserve.sglang_ext.http_guards import GuardMiddleware
+from sloserve.sglang_ext.http_options import HTTPOptions
 from sloserve.sglang_ext.serving import ServingState
 
 log = logging.getLogger(__name__)
 
 
-def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
+def create_app(engine: Engine, served_model_name: str | None = None,
+               options: HTTPOptions | None = None) -> FastAPI:
     """An app serving `engine`. Starts the engine thread now; the app's shutdown (lifespan)
     aborts what is still running and stops the thread. `app.state.serving` is the
-    ServingState."""
+    ServingState. Serve it with uvicorn.Config(http=with_header_timeout(...)) so that the
+    header deadline of `options` holds too."""
+    options = options or HTTPOptions()
     state = ServingState(engine, served_model_name)
 
     @asynccontextmanager
@@ -40,4 +46,9 @@ def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
     install_error_handlers(app)
     app.include_router(native_api.router)
     app.include_router(openai_api.router)
+    if options.allowed_origins:  # CORS is off unless origins are named
+        app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["*"])
+    app.add_middleware(GuardMiddleware, options=options)  # the outermost: before CORS
+    app.state.http_options = options
     return app

@@ -8,8 +8,10 @@ SGLang's server; OpenAI routes (`/v1/...`) answer `{"error": {"message", "type",
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import re
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -18,24 +20,27 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sloserve.runtime.async_engine import EngineDeadError
+from sloserve.runtime.async_engine import EngineDeadError, StepFailed
 from sloserve.runtime.request import InvalidRequest
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
-_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed",
-          413: "RequestTooLarge", 503: "ServiceUnavailable", 500: "InternalServerError"}
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+          405: "MethodNotAllowed", 408: "RequestTimeout", 413: "RequestTooLarge",
+          415: "UnsupportedMediaType", 503: "ServiceUnavailable", 500: "InternalServerError"}
 
 
 class APIError(Exception):
     """An error answered to the client: HTTP status, a message naming the problem, and the
     offending parameter (or None)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.headers = headers  # e.g. Retry-After, WWW-Authenticate, Connection: close
 
     @classmethod
     def bad(cls, param: str | None, message: str) -> APIError:
@@ -99,39 +104,86 @@ def _jsonable(x: Any) -> bool:
         return False
 
 
+OFF_LOOP_BYTES = 64 << 10  # bodies larger than this are parsed on a worker thread
+# a JSON escape of a UTF-16 surrogate (backslash-u d800 to dfff): json.loads turns a lone one
+# into a str that no tokenizer or encoder accepts
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 async def parse_body(request: Request, model: type[M]) -> M:
-    """The request body as `model`; 400 naming the problem for anything malformed."""
+    """The request body as `model`; 400 naming the problem for anything malformed. A large
+    body is parsed and validated on a worker thread, so the event loop keeps serving."""
     raw = await request.body()
+    if len(raw) > OFF_LOOP_BYTES:
+        return await asyncio.to_thread(parse_json_body, raw, model)
+    return parse_json_body(raw, model)
+
+
+def parse_json_body(raw: bytes, model: type[M]) -> M:
     if not raw.strip():
         raise APIError.bad("body", "empty request body; send a JSON object")
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError.bad("body", f"malformed JSON: {e}") from None
+    except RecursionError:
+        raise APIError.bad("body", "JSON nested too deeply") from None
     if not isinstance(data, dict):
         raise APIError.bad("body", f"must be a JSON object, got {type(data).__name__}")
+    if _SURROGATE_ESCAPE.search(raw):
+        where = _lone_surrogate(data, "")
+        if where is not None:
+            raise APIError.bad(where or "body", "holds a lone UTF-16 surrogate escape "
+                               "(\\ud800-\\udfff without its pair): not valid Unicode text")
     try:
         return model.model_validate(data)
     except ValidationError as e:
         msg, param = validation_message(e.errors())
         raise APIError(400, msg, param) from None
+    except RecursionError:  # pydantic recurses into Any-typed values
+        raise APIError.bad("body", "JSON nested too deeply") from None
 
 
-def _body(request: Request, status: int, message: str, param: str | None) -> dict:
+def _lone_surrogate(x: Any, path: str) -> str | None:
+    """The path of the first string (or key) in x holding a lone surrogate, else None."""
+    stack = [(x, path)]
+    while stack:
+        x, path = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                name = k.encode("utf-8", "backslashreplace").decode()  # printable
+                sub = f"{path}.{name}" if path else name
+                if name != k:
+                    return sub
+                stack.append((v, sub))
+        elif isinstance(x, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(x))
+    return None
+
+
+def error_body(path: str, status: int, message: str, param: str | None) -> dict:
+    """The error JSON of the API family `path` belongs to."""
     kind = _TYPES.get(status, "Error")
-    if request.url.path.startswith("/v1/"):
+    if path.startswith("/v1/"):
         return {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return {"object": "error", "message": message, "type": kind, "param": param, "code": status}
 
 
-def error_response(request: Request, status: int, message: str, param: str | None = None):
-    return JSONResponse(_body(request, status, message, param), status_code=status)
+def error_response(request: Request, status: int, message: str, param: str | None = None,
+                   headers: dict[str, str] | None = None):
+    return JSONResponse(error_body(request.url.path, status, message, param),
+                        status_code=status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api(request: Request, exc: APIError):
-        return error_response(request, exc.status, exc.message, exc.param)
+        return error_response(request, exc.status, exc.message, exc.param, exc.headers)
 
     @app.exception_handler(InvalidRequest)
     async def _invalid(request: Request, exc: InvalidRequest):
@@ -151,3 +203,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError):
         return error_response(request, 503, str(exc), None)
+
+    @app.exception_handler(StepFailed)
+    async def _step(request: Request, exc: StepFailed):
+        return error_response(request, 500, str(exc), None)
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception):  # still JSON; Starlette logs it
+        return error_response(request, 500, f"internal error: {type(exc).__name__}", None)

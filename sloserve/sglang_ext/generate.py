@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from sloserve.runtime.async_engine import EngineDeadError
+from sloserve.runtime.async_engine import EngineFailure
 from sloserve.runtime.request import SamplingParams
 from sloserve.sglang_ext.errors import APIError, parse_body
 from sloserve.sglang_ext.logprobs import triples
@@ -40,15 +40,16 @@ class Job:
     params: SamplingParams | None  # None: max_new_tokens == 0 (prefill only, no engine request)
 
 
-def prepare(state: ServingState, item: Item, batched: bool) -> Job:
+async def prepare(state: ServingState, item: Item, batched: bool) -> Job:
     where = f"[{item.index}]" if batched else ""
     field = ("text" if isinstance(item.prompt, str) else "input_ids") + where
-    ids = state.prompt_ids(item.prompt, field)
+    ids = await state.prompt_ids(item.prompt, field)
     sp = item.sp
     max_new = sp.max_new_tokens if sp.max_new_tokens is not None else state.default_max_tokens(
         len(ids))
     if max_new < 0:
         raise APIError.bad("sampling_params.max_new_tokens", f"must be >= 0, got {max_new}")
+    state.check_fits(len(ids), max(max_new, 1), field, "sampling_params.max_new_tokens")
     params = to_engine_params(sp, max_new_tokens=max(max_new, 1))
     if item.return_logprob and item.logprob_start_len > len(ids):
         raise APIError.bad("logprob_start_len", f"{item.logprob_start_len} is beyond the "
@@ -159,7 +160,7 @@ async def _events(first: dict | None, chunks: AsyncIterator[dict]) -> AsyncItera
                 yield sse(first)
             async for chunk in chunks:
                 yield sse(chunk)
-        except (APIError, EngineDeadError) as e:
+        except (APIError, EngineFailure) as e:
             yield sse({"error": {"message": str(e)}})
     yield b"data: [DONE]\n\n"
 
@@ -173,7 +174,10 @@ async def _items_stream(state: ServingState, jobs: list[Job]) -> AsyncIterator[d
 async def generate(request: Request, state: ServingState):
     req = await parse_body(request, GenerateRequest)
     items, batched = normalize(req)
-    jobs = [prepare(state, it, batched) for it in items]
+    for it in items:  # every text measured before any is tokenized
+        if isinstance(it.prompt, str):
+            state.check_text_size(len(it.prompt), f"text[{it.index}]" if batched else "text")
+    jobs = [await prepare(state, it, batched) for it in items]
     if req.stream:
         if batched:
             return StreamingResponse(_events(None, _items_stream(state, jobs)),

@@ -124,6 +124,10 @@ class ServerMetrics:
                                   labelnames=["slo"], registry=r)
         for slo in ("ttft", "tpot"):
             self.slo_misses.labels(slo=slo)
+        self.rejected_queue_full = Counter(
+            f"{PREFIX}_requests_rejected_queue_full",
+            "Requests answered 503 because --max-queued-requests requests were waiting",
+            registry=r)
         self._engine = _EngineCollector()
         r.register(self._engine)
 

@@ -3,6 +3,7 @@ server-sent events ending `data: [DONE]`, `stream_options.include_usage`)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -12,7 +13,7 @@ from contextlib import aclosing
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from sloserve.runtime.async_engine import EngineDeadError
+from sloserve.runtime.async_engine import EngineDeadError, EngineFailure
 from sloserve.runtime.request import SamplingParams
 from sloserve.sglang_ext.errors import APIError, parse_body
 from sloserve.sglang_ext.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -34,14 +35,19 @@ async def models(request: Request):
     return {"object": "list", "data": [card]}
 
 
-def _jobs(st: ServingState, body, prompts: list, max_new: int | None, field: str) -> list[Job]:
+async def _jobs(st: ServingState, body, prompts: list, max_new: int | None, field: str,
+                max_field: str = "max_tokens") -> list[Job]:
     if max_new is not None and max_new < 1:
         raise APIError.bad("max_tokens", f"must be >= 1, got {max_new}")
+    names = [field if len(prompts) == 1 else f"{field}[{i}]" for i in range(len(prompts))]
+    for p, name in zip(prompts, names):  # every text measured before any is tokenized
+        if isinstance(p, str):
+            st.check_text_size(len(p), name)
     jobs = []
-    for i, p in enumerate(prompts):
-        name = field if len(prompts) == 1 else f"{field}[{i}]"
-        ids = st.prompt_ids(p, name)
+    for p, name in zip(prompts, names):
+        ids = await st.prompt_ids(p, name)
         n = max_new if max_new is not None else st.default_max_tokens(len(ids))
+        st.check_fits(len(ids), n, name, max_field)
         jobs.append((ids, body.engine_params(n)))
     return jobs
 
@@ -51,7 +57,7 @@ async def completions(request: Request):
     st = serving(request)
     body = await parse_body(request, CompletionRequest)
     body.check()
-    jobs = _jobs(st, body, body.prompts(), body.max_tokens, "prompt")
+    jobs = await _jobs(st, body, body.prompts(), body.max_tokens, "prompt")
     return await _respond(request, st, body, jobs, chat=False)
 
 
@@ -64,11 +70,14 @@ async def chat_completions(request: Request):
         raise APIError.bad("messages", "this model's tokenizer has no chat template; use "
                            "/v1/completions")
     msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+    st.check_text_size(sum(len(m["content"]) for m in msgs), "messages")
     try:
-        text = st.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        text = await asyncio.to_thread(st.tokenizer.apply_chat_template, msgs, tokenize=False,
+                                       add_generation_prompt=True)
     except Exception as e:  # jinja raises for conversations a template forbids
         raise APIError.bad("messages", f"the chat template rejected them: {e}") from None
-    jobs = _jobs(st, body, [text], body.max_new, "messages")
+    max_field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+    jobs = await _jobs(st, body, [text], body.max_new, "messages", max_field)
     return await _respond(request, st, body, jobs, chat=True)
 
 
@@ -144,6 +153,7 @@ async def _stream(st: ServingState, jobs: list[Job], head: dict, chat: bool, inc
                     yield chunk(i, delta, _finish(prog))
         if include_usage:
             yield _sse({**head, "choices": [], "usage": _usage(progs)})
-    except (APIError, EngineDeadError) as e:
-        yield _sse({"error": {"message": str(e), "type": "BadRequestError", "code": 400}})
+    except (APIError, EngineFailure) as e:
+        code = e.status if isinstance(e, APIError) else 503 if isinstance(e, EngineDeadError) else 500
+        yield _sse({"error": {"message": str(e), "type": type(e).__name__, "code": code}})
     yield b"data: [DONE]\n\n"

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from sloserve.runtime.async_engine import AsyncEngine
-from sloserve.runtime.engine import Engine, RequestOutput
+from sloserve.runtime.engine import Engine, QueueFull, RequestOutput
 from sloserve.runtime.engine_setup import load_tokenizer, model_name
 from sloserve.runtime.request import InvalidRequest, SamplingParams, validate_prompt
 from sloserve.sglang_ext.errors import APIError, from_invalid
@@ -24,6 +24,7 @@ from sloserve.sglang_ext.metrics import EngineSnapshot, ServerMetrics, take_snap
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 SCORE_WAIT_S = 30.0  # how long a scoring pass waits for free KV blocks before a 503
+RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait
 
 
 @dataclass
@@ -68,6 +69,13 @@ def _trim_stop(text: str, stop: str) -> str:
     return text
 
 
+def longest_token_chars(tokenizer) -> int:
+    """An upper bound on the characters of text one token stands for: the longest token
+    string of the vocabulary (byte-level BPE writes a byte as one character, sentencepiece
+    a space as one '▁', a byte fallback as six), at least 16."""
+    return max([16, *(len(t) for t in tokenizer.get_vocab())])
+
+
 class ServingState:
     """One per server. Owns the AsyncEngine (its engine thread) and the metrics registry."""
 
@@ -81,6 +89,9 @@ class ServingState:
         self.model_name = served_model_name or model_name(self.model_path)
         self.vocab_size = engine.parts.target.cfg.vocab_size
         self.max_context = engine.max_context
+        self.max_prompt_tokens = max(1, min(self.max_context, engine.kv_capacity) - 1)
+        self.max_token_chars = longest_token_chars(self.tokenizer)
+        self.max_prompt_chars = self.max_prompt_tokens * self.max_token_chars
         self.metrics = ServerMetrics()
         self.started = time.time()
 
@@ -88,27 +99,51 @@ class ServingState:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def prompt_ids(self, prompt: str | list[int], field_name: str = "text") -> list[int]:
-        """Token ids of a prompt; 400 when empty, out of vocabulary or too long."""
+    def check_text_size(self, text_len: int, field_name: str) -> None:
+        """400 before tokenizing a text that cannot fit: more characters than the longest
+        prompt that fits could hold (a 10 MB text took 10-23 s to tokenize)."""
+        if text_len > self.max_prompt_chars:
+            raise APIError.bad(field_name, f"has {text_len} characters; the at most "
+                               f"{self.max_prompt_tokens} tokens a prompt may have cover at "
+                               f"most {self.max_prompt_chars} (no token of this tokenizer "
+                               f"spans more than {self.max_token_chars})")
+
+    async def prompt_ids(self, prompt: str | list[int], field_name: str = "text") -> list[int]:
+        """Token ids of a prompt; 400 when empty, out of vocabulary or too long. A text is
+        measured first and tokenized on a worker thread (the event loop keeps serving)."""
         if isinstance(prompt, str):
             if prompt == "":
                 raise APIError.bad(field_name, "is empty")
-            ids = self.encode(prompt)
+            self.check_text_size(len(prompt), field_name)
+            ids = await asyncio.to_thread(self.encode, prompt)
         else:
+            if len(prompt) > self.max_prompt_tokens:  # before looking at every id
+                raise APIError.bad(field_name, f"has {len(prompt)} tokens; at most "
+                                   f"{self.max_prompt_tokens} fit (context window "
+                                   f"{self.max_context}, KV cache {self.cfg.kv_cache_tokens})")
             ids = list(prompt)
         try:
             validate_prompt(ids, self.vocab_size, self.max_context)
         except InvalidRequest as e:
             name = field_name if e.field == "prompt" else e.field
             raise APIError.bad(name, str(e).split(": ", 1)[1]) from None
-        alloc = self.engine.scheduler.alloc  # immutable sizes only; same check as the engine
-        if alloc.blocks_for(len(ids) + 1 + self.cfg.k_max) > alloc.num_blocks:
-            raise APIError.bad(field_name, f"{len(ids)} tokens do not fit the KV cache "
-                               f"({self.cfg.kv_cache_tokens} tokens)")
+        self.check_fits(len(ids), 1, field_name, "max_new_tokens")
         return ids
 
+    def check_fits(self, prompt_len: int, max_new: int, prompt_field: str, max_field: str
+                   ) -> None:
+        """400 unless the request fits the KV pool alone (the engine's own check, on
+        immutable sizes, so it may run here): one that cannot would never finish."""
+        try:
+            self.engine.check_fits(prompt_len, max_new)
+        except InvalidRequest as e:
+            name = prompt_field if e.field == "prompt" else max_field
+            raise APIError.bad(name, str(e).split(": ", 1)[1]) from None
+
     def default_max_tokens(self, prompt_len: int) -> int:
-        return max(1, self.max_context - prompt_len)
+        """New tokens of a request that gives no limit: as many as the context window and
+        the KV pool hold."""
+        return max(1, self.engine.max_new_tokens_that_fit(prompt_len))
 
     # ----- engine access
     async def call(self, fn: Callable[[Engine], T]) -> T:
@@ -145,6 +180,9 @@ class ServingState:
                 yield prog
         except InvalidRequest as e:
             raise from_invalid(e) from None
+        except QueueFull as e:
+            self.metrics.rejected_queue_full.inc()
+            raise APIError(503, str(e), None, {"Retry-After": str(RETRY_AFTER_S)}) from None
         finally:
             await gen.aclose()  # aborts the request if it has not finished
 

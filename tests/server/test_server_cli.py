@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from sloserve.launch import build_parser, config_from_args, duration
+from sloserve.launch import build_parser, config_from_args, duration, http_options
 
 
 @pytest.mark.parametrize("text,seconds", [("30ms", 0.03), ("0.03s", 0.03), ("30", 0.03),
@@ -33,6 +33,10 @@ BAD = [
     (["--model-path", "/no/such/dir"], "--model-path"),
     (["--drafter", "ngram", "--draft-model-path", "."], "--draft-model-path"),
     (["--log-level", "loud"], "--log-level"), (["--drafter", "oracle"], "--drafter"),
+    (["--max-queued-requests", "-1"], "--max-queued-requests"),
+    (["--max-request-body-bytes", "0"], "--max-request-body-bytes"),
+    (["--request-header-timeout", "0"], "--request-header-timeout"),
+    (["--request-body-timeout", "soon"], "--request-body-timeout"),
 ]
 
 
@@ -65,3 +69,21 @@ def test_help_documents_every_option():
         for opt in action.option_strings:
             assert opt in out.stdout
         assert action.help, action.option_strings
+
+
+def test_server_limits_and_access_options():
+    parser = build_parser()
+    args = parser.parse_args(["--max-queued-requests", "16", "--api-key", "k", "--host",
+                              "0.0.0.0", "--allowed-hosts", "api.example", "localhost",
+                              "--allowed-origins", "https://app.example",
+                              "--max-request-body-bytes", "1000", "--request-header-timeout",
+                              "2.5", "--request-body-timeout", "7"])
+    assert config_from_args(parser, args).scheduler.max_queued_requests == 16
+    opts = http_options(args)
+    assert (opts.api_key, opts.host_names(), opts.allowed_origins) == (
+        "k", ("api.example", "localhost"), ("https://app.example",))
+    assert (opts.max_body_bytes, opts.header_timeout_s, opts.body_timeout_s) == (1000, 2.5, 7)
+    default = http_options(parser.parse_args([]))
+    assert default.api_key is None and default.allowed_origins == ()
+    assert set(default.host_names()) == {"127.0.0.1", "localhost", "::1"}
+    assert parse([]).scheduler.max_queued_requests is None

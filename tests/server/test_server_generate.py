@@ -176,7 +176,9 @@ def test_info_and_health_endpoints(client, live):
     assert client.get("/health").status_code == 200
     assert client.get("/health_generate").status_code == 200
     assert client.post("/flush_cache", json={"empty_cache": True}).status_code == 200
-    assert client.get("/flush_cache").status_code == 200
+    json_type = {"Content-Type": "application/json"}  # state-changing: JSON only (issue 22)
+    assert client.get("/flush_cache", headers=json_type).status_code == 200
+    assert client.get("/flush_cache").status_code == 415
 
 
 def test_sglang_bench_serving_payload(client):

@@ -1,0 +1,43 @@
+"""The HTTP server's own settings (the engine's are EngineConfig): what `http_guards` and
+`http_protocol` enforce. Free of heavy imports, so that the CLI can build it cheaply."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+_LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+@dataclass(frozen=True)
+class HTTPOptions:
+    """The HTTP server's own settings (the engine's are EngineConfig)."""
+
+    host: str = "127.0.0.1"  # the address the server is bound to
+    api_key: str | None = None  # Bearer token required on every route but OPEN_PATHS
+    allowed_hosts: tuple[str, ...] | None = None  # Host header names; None: from `host`
+    allowed_origins: tuple[str, ...] = ()  # CORS: origins allowed to call (none: CORS off)
+    max_body_bytes: int = 32 << 20
+    body_timeout_s: float = 30.0  # the whole body must arrive within this
+    header_timeout_s: float = 10.0  # a request's headers must arrive within this
+
+    def host_names(self) -> tuple[str, ...] | None:
+        """The Host names accepted; None accepts any (a wildcard bind without a list)."""
+        if self.allowed_hosts is not None:
+            return None if "*" in self.allowed_hosts else tuple(
+                h.lower() for h in self.allowed_hosts)
+        if self.host in ("", "0.0.0.0", "::"):
+            return None  # reachable under any name: the operator lists them with allowed_hosts
+        names = {self.host.lower()}
+        if _is_loopback(self.host):
+            names.update(_LOOPBACK_NAMES)
+        return tuple(sorted(names))
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
