@@ -56,13 +56,21 @@ class CostModel:
 class ModelShape(Protocol):
     """What rough_cost reads of a model's config (runtime.models.config.ModelConfig)."""
 
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
+    # read-only: a frozen dataclass's fields satisfy it
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
 
 
 def rough_cost(target_cfg: ModelShape, draft_cfg: ModelShape | None) -> CostModel:

@@ -4,6 +4,7 @@ confidence -> acceptance outcomes and draft-round cost, write the profile file.
 
     python -m sloserve.profiler --quick            # built-in pair, CPU quick mode (< 2 min)
     python -m sloserve.profiler --model-path M --draft-model-path D --out-dir configs
+    python -m sloserve.profiler --engine sglang    # SGLang's own forwards, for SPECSERVE
 """
 
 from __future__ import annotations
@@ -62,4 +63,11 @@ def main(argv=None) -> Path:
 
 
 if __name__ == "__main__":
+    import sys
+
+    if "--engine" in sys.argv[1:3] and "sglang" in sys.argv[1:3]:  # a separate tool
+        from sloserve.sglang_plugin.profile import main as sglang_profile
+
+        rest = [a for a in sys.argv[1:] if a not in ("--engine", "sglang")]
+        sys.exit(sglang_profile(rest))
     main()

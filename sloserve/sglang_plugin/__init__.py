@@ -9,6 +9,7 @@ therefore raises nothing for unsupported environments and lets real errors propa
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 
@@ -49,11 +50,21 @@ def _register_specserve() -> None:
         return
 
     class SpecServeAlgo(CustomSpecAlgo):
-        """Behaves as STANDALONE wherever SGLang asks (draft model with its own embeddings
-        and LM head, no hidden-state capture)."""
+        """Answers every predicate SGLang asks of an algorithm (is_*, supports_*, has_*,
+        carries_*) as STANDALONE does: a draft model with its own embeddings and LM head,
+        no hidden-state capture. (0.5.23's CustomSpecAlgo lacks some the enum has, e.g.
+        carries_draft_hidden_states.)"""
 
-        def is_standalone(self) -> bool:
-            return True
+    standalone = SpeculativeAlgorithm.STANDALONE
+    for attr, value in list(vars(SpeculativeAlgorithm).items()):
+        if attr.startswith("_") or not inspect.isfunction(value):
+            continue  # members, class- and static methods, dunders
+        if attr.startswith(("is_", "supports_", "has_", "carries_")):
+            # a predicate: STANDALONE's answer (the enum's compares the member itself)
+            setattr(SpecServeAlgo, attr,
+                    lambda self, _attr=attr, *a, **kw: getattr(standalone, _attr)(*a, **kw))
+        elif not hasattr(CustomSpecAlgo, attr):
+            setattr(SpecServeAlgo, attr, value)  # e.g. create_future_map: asks self.is_*()
 
     @SpeculativeAlgorithm.register("SPECSERVE", supports_overlap=False, spec_class=SpecServeAlgo)
     def _factory(server_args):

@@ -10,13 +10,16 @@ verify outcome back. Per step:
     ... SGLang drafts k steps, verifies, extends the draft cache ...
     controller.feedback(num_correct_drafts_per_req, step_time, draft_time, verify_time)
 
-Without draft confidences (topk = 1 gives none here) the policy learns each request's
-acceptance from its accepted counts. `SGLangStepsPolicy` is the adapter SGLang's
+The draft forwards' time is reported as the step's drafting; the draft reading the verified
+window afterwards (which SGLang runs at every step, k = 0 included) counts in the step's
+overhead. Without draft confidences the policy learns each request's acceptance from its
+accepted counts. `SGLangStepsPolicy` is the adapter SGLang's
 AdaptiveController drives: it switches to the step count `decide` chose.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Sequence
@@ -44,9 +47,11 @@ class StepDecision:
     plan: SpecServePlan
     k: int
     rids: list[str]
+    context: int  # KV tokens of the batch before the step
     started: float  # perf_counter when the step began
-    draft_time: float = 0.0  # measured seconds the worker reports (draft + draft extend)
-    verify_time: float = 0.0
+    draft_time: float = 0.0  # measured seconds of the draft forwards
+    extend_time: float = 0.0  # ... of the draft reading the verified window
+    verify_time: float = 0.0  # ... of the target's verify forward
 
 
 @dataclass
@@ -56,7 +61,11 @@ class StepController:
     default_tpot_slo: float | None = None  # seconds; a request's own tpot_slo overrides it
     requests: dict[str, RequestSpec] = field(default_factory=dict)
     pending: StepDecision | None = None
-    steps_log: list[tuple[int, int]] = field(default_factory=list)  # (batch size, k), last 4096
+    # profiling (python -m sloserve.profiler --engine sglang): draft lengths to cycle through
+    # instead of the policy's, and a file that gets one JSON line of timings per step
+    sweep: tuple[int, ...] = ()
+    timings_path: str | None = None
+    _sweep_at: int = 0
 
     def decide(self, rids: Sequence[str], seq_lens: Sequence[int],
                tpot_slos: Sequence[float | None]) -> int:
@@ -76,15 +85,18 @@ class StepController:
         if not isinstance(plan, SpecServePlan):
             raise TypeError(f"SPECSERVE needs a SpecServe policy, got {self.policy.name!r}")
         k = plan.uniform_rounds() if B else 0
-        self.pending = StepDecision(plan, k, list(rids), time.perf_counter())
-        self.steps_log.append((B, k))
-        del self.steps_log[:-4096]
+        if self.sweep:
+            k = min(self.sweep[self._sweep_at % len(self.sweep)], self.k_max)
+            self._sweep_at += 1
+        self.pending = StepDecision(plan, k, list(rids), int(step.context_lens.sum()),
+                                    time.perf_counter())
         return k
 
-    def add_times(self, draft: float = 0.0, verify: float = 0.0) -> None:
-        """Measured seconds of the current step's draft phases and verify forward."""
+    def add_times(self, draft: float = 0.0, extend: float = 0.0, verify: float = 0.0) -> None:
+        """Measured seconds of the current step's draft forwards, draft extend and verify."""
         if self.pending is not None:
             self.pending.draft_time += draft
+            self.pending.extend_time += extend
             self.pending.verify_time += verify
 
     def feedback(self, num_correct_drafts: Sequence[int], now: float | None = None) -> None:
@@ -102,6 +114,13 @@ class StepController:
             step_time=step_time, draft_time=d.draft_time,
             verify_time=d.verify_time if d.verify_time > 0.0 else None,
         ))
+        if self.timings_path:
+            with open(self.timings_path, "a") as f:
+                f.write(json.dumps({"batch": B, "context": d.context, "k": k,
+                                    "draft": d.draft_time, "extend": d.extend_time,
+                                    "verify": d.verify_time, "step": step_time,
+                                    "accepted": int(accepted.sum()),
+                                    "planned_time": d.plan.time}) + "\n")
         for rid, a in zip(d.rids, accepted.tolist()):
             r = self.requests.setdefault(rid, RequestSpec())
             r.unsent.append(k)

@@ -9,7 +9,10 @@ On CPUs without CUDA, SGLang 0.5.23 needs:
   machine's RAM (12.5 GB on a 24 GB machine);
 - `--attention-backend intel_amx`, the only CPU backend with speculative decoding; sloserve's
   plugin (sloserve.sglang_plugin.register, loaded by SGLang itself) keeps SGLang from replacing
-  it with torch_native on CPUs without AMX.
+  it with torch_native on CPUs without AMX;
+- `--sleep-on-idle`: an idle scheduler otherwise polls its sockets without pause and keeps a
+  core busy, which on a 2-core machine slows every other process (and every other server)
+  several-fold.
 The python running the server must have SGLang and sloserve installed
 (scripts/sglang_runtime_env.sh prepares one).
 """
@@ -81,6 +84,7 @@ def server_command(cfg: CPUServerConfig, python: str) -> list[str]:
         "--attention-backend", cfg.attention_backend,
         "--max-total-tokens", str(cfg.max_total_tokens),
         "--mem-fraction-static", str(cfg.mem_fraction_static),
+        "--sleep-on-idle",
     ]
     if cfg.spec is not None:
         cmd += cfg.spec.args()
@@ -109,21 +113,21 @@ def start_server(cfg: CPUServerConfig, python: str, log_path: Path) -> subproces
     )
 
 
-def wait_ready(cfg: CPUServerConfig, proc: subprocess.Popen, timeout: float = 300.0) -> None:
-    """Block until GET /health_generate answers 200; raise if the process exits first or the
-    timeout passes."""
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
+    """Block until GET url/health_generate answers 200; raise if the process exits first or
+    the timeout passes."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"SGLang server exited with code {proc.returncode} before ready")
         try:
-            with urllib.request.urlopen(cfg.url + "/health_generate", timeout=30) as r:
+            with urllib.request.urlopen(url + "/health_generate", timeout=30) as r:
                 if r.status == 200:
                     return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
         time.sleep(1.0)
-    raise TimeoutError(f"SGLang server at {cfg.url} not ready after {timeout:.0f} s")
+    raise TimeoutError(f"SGLang server at {url} not ready after {timeout:.0f} s")
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> None:

@@ -6,6 +6,8 @@ and the cost profile of SGLang's forwards for the model pair on this device.
     SLOSERVE_TPOT_SLO      default TPOT SLO in seconds (unset: none)
     SLOSERVE_SPEC_POLICY   specserve (default) | specserve-drafter
     SLOSERVE_PROFILE       a profile file to use instead of the lookup below
+    SLOSERVE_SGLANG_SWEEP  profiling only: comma-separated draft lengths to cycle through
+    SLOSERVE_SGLANG_TIMINGS profiling only: a file that gets one JSON line of timings a step
 
 A request's own SLO: SGLang sampling params `custom_params: {"tpot_slo": seconds}`.
 Profiles of SGLang's forwards are keyed like the built-in engine's, with the device key
@@ -32,6 +34,8 @@ log = logging.getLogger(__name__)
 ENV_TPOT_SLO = "SLOSERVE_TPOT_SLO"
 ENV_POLICY = "SLOSERVE_SPEC_POLICY"
 ENV_PROFILE = "SLOSERVE_PROFILE"
+ENV_SWEEP = "SLOSERVE_SGLANG_SWEEP"
+ENV_TIMINGS = "SLOSERVE_SGLANG_TIMINGS"
 POLICIES = ("specserve", "specserve-drafter")
 
 
@@ -95,4 +99,6 @@ def make_controller(target_path: str, draft_path: str, k_max: int, device: str,
         raise ValueError(f"{ENV_POLICY} must be one of {', '.join(POLICIES)}, got {name!r}")
     cost, calibration = load_cost(target_path, draft_path, device, dtype)
     policy = make_policy(name, cost, k_max=k_max, calibration=calibration)
-    return StepController(policy, k_max, default_tpot_slo())
+    sweep = tuple(int(x) for x in os.environ.get(ENV_SWEEP, "").split(",") if x.strip())
+    return StepController(policy, k_max, default_tpot_slo(), sweep=sweep,
+                          timings_path=os.environ.get(ENV_TIMINGS) or None)

@@ -2,7 +2,7 @@
 the algorithm's factory, in SGLang's scheduler process).
 
 It is SGLang's STANDALONE worker (the user's draft model, EAGLE-v2 schema, topk 1 chains)
-with SGLang's AdaptiveController switching pre-built runtime states (one per step count
+with the draft's KV aligned to the sequence (draft_chain.py) and SGLang's AdaptiveController switching pre-built runtime states (one per step count
 0..k_max; 0 = plain decoding) to the draft length sloserve's controller chose for each decode
 batch (controller.py). The worker times its draft phases and the verify forward so the
 policy's cost model is corrected from SGLang's own forwards, and publishes each request's
@@ -24,6 +24,7 @@ from sglang.srt.speculative.standalone_worker_v2 import StandaloneWorkerV2
 
 from sloserve.sglang_plugin import settings
 from sloserve.sglang_plugin.controller import SGLangStepsPolicy, StepController
+from sloserve.sglang_plugin.draft_chain import AlignedDraft
 
 logger = logging.getLogger(__name__)
 
@@ -55,16 +56,19 @@ class SpecServeWorker(StandaloneWorkerV2):
         super().__init__(server_args, gpu_id, nccl_port, target_worker)
         target_path = target_worker.model_runner.model_config.model_path
         draft_path = self._draft_worker.draft_runner.model_config.model_path
+        dtype = str(target_worker.model_runner.model_config.dtype).removeprefix("torch.")
         self.controller = settings.make_controller(
-            target_path, draft_path, self.speculative_num_steps, str(self.device))
+            target_path, draft_path, self.speculative_num_steps, str(self.device), dtype)
         ACTIVE[:] = [self.controller]
         # init_cuda_graphs (EAGLEWorkerV2) builds one runtime state per candidate step count
         self.adaptive_controller = AdaptiveController(self, SGLangStepsPolicy(self.controller))
         ctl, dev = self.controller, torch.device(self.device)
         dw = self._draft_worker
+        # the draft's KV aligned with the sequence (draft_chain.py), then timed
+        AlignedDraft(dw, self.speculative_num_steps).install()
         dw.draft = _timed(dw.draft, lambda s: ctl.add_times(draft=s), dev)
         dw._draft_extend_for_decode = _timed(dw._draft_extend_for_decode,
-                                             lambda s: ctl.add_times(draft=s), dev)
+                                             lambda s: ctl.add_times(extend=s), dev)
         self.verify = _timed(self.verify, lambda s: ctl.add_times(verify=s), dev)
         logger.info("SPECSERVE: sloserve %s, draft steps 0..%d, default TPOT SLO %s",
                     ctl.policy.name, ctl.k_max, ctl.default_tpot_slo)

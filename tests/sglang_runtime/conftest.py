@@ -83,7 +83,7 @@ class ServerPool:
         for name in new:
             cfg, proc = self.running[name]
             try:
-                wait_ready(cfg, proc, timeout=600)
+                wait_ready(cfg.url, proc, timeout=600)
             except Exception as e:
                 log = (self.logs / f"{name}.log").read_text(errors="replace")
                 self.stop(name)

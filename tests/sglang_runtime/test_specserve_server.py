@@ -1,0 +1,238 @@
+"""SPECSERVE inside SGLang 0.5.23's own server on this CPU, started as a user does:
+`python -m sloserve.launch --engine sglang ...` in the SGLang environment.
+
+Greedy output equals SGLang's own plain decoding (`--spec-policy ar`), one at a time and
+batched; with draft = target every draft is accepted (the draft's KV aligned to the
+sequence, draft_chain.py); the controller's per-step decisions are in meta_info and follow
+concurrency and per-request SLOs; SGLang's frontend and the OpenAI client work against it.
+Servers start once per module, two at a time (60-100 s each on 2 cores)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.timeout(2400)
+
+MAX_NEW = 32
+REPO = Path(__file__).resolve().parents[2]
+# the controller's cost profile of SGLang's forwards of the tiny pair on this CPU type
+TINY_PROFILE = REPO / "tests" / "sglang_runtime" / "tiny_pair_sglang_profile.json"
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LaunchedServer:
+    def __init__(self, python: str, args: list[str], log: Path, env: dict[str, str]):
+        self.port = _port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        cmd = [python, "-m", "sloserve.launch", "--engine", "sglang", "--port", str(self.port),
+               "--dtype", "float32", "--log-level", "warning", *args]
+        self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, cwd=REPO,
+                                     stdout=open(log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
+                                     start_new_session=True)
+
+    def wait(self, timeout: float = 900) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}:\n"
+                                   f"{self.log.read_text(errors='replace')[-8000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health_generate", timeout=30):
+                    return
+            except OSError:
+                time.sleep(1.0)
+        raise TimeoutError(self.log.read_text(errors="replace")[-8000:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 15)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+
+
+@pytest.fixture(scope="module")
+def launched(sglang_python, tiny_sglang_pair, tmp_path_factory):
+    target, draft = tiny_sglang_pair
+    logs = tmp_path_factory.mktemp("specserve_logs")
+    pair = ["--model-path", target, "--draft-model-path", draft]
+    specs = {
+        "plain": (pair + ["--spec-policy", "ar"], {}),
+        "specserve": (pair + ["--k-max", "4"], {"SLOSERVE_PROFILE": str(TINY_PROFILE)}),
+        "self": (["--model-path", target, "--draft-model-path", target, "--k-max", "4"],
+                 {"SLOSERVE_PROFILE": str(TINY_PROFILE)}),
+        # no model options: the built-in pair, as `sloserve.launch --engine sglang` serves it
+        "builtin": (["--tpot-slo", "30ms"], {}),
+    }
+    started: dict[str, LaunchedServer] = {}
+
+    def get(name: str, alone: bool = False) -> LaunchedServer:
+        """The named server, started on first use; alone: stop the others first (memory)."""
+        if alone:
+            for other in [n for n in started if n != name]:
+                started.pop(other).stop()
+        if name not in started:
+            args, env = specs[name]
+            started[name] = LaunchedServer(sglang_python, args, logs / f"{name}.log", env)
+            started[name].wait()
+        return started[name]
+
+    # two at a time: the first pair now, the third on first use
+    for name in ("plain", "specserve"):
+        args, env = specs[name]
+        started[name] = LaunchedServer(sglang_python, args, logs / f"{name}.log", env)
+    for s in list(started.values()):
+        s.wait()
+    yield get
+    for s in started.values():
+        s.stop()
+
+
+def _post(url: str, path: str, body: dict) -> dict:
+    req = urllib.request.Request(url + path, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=1200) as r:
+        return json.loads(r.read())
+
+
+def _gen(server, ids, max_new=MAX_NEW, **sampling) -> dict:
+    return _post(server.url, "/generate", {"input_ids": ids, "sampling_params": {
+        "max_new_tokens": max_new, "temperature": 0, "ignore_eos": True, **sampling}})
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    firsts = (torch.randperm(2000, generator=g)[:n] + 10).tolist()
+    return [[f] + torch.randint(10, 2048, (int(torch.randint(4, 61, (1,), generator=g)) - 1,),
+                                generator=g).tolist() for f in firsts]
+
+
+def _all_at_once(server, prompts, **sampling) -> list[dict]:
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: _gen(server, p, **sampling), prompts))
+
+
+def test_greedy_output_equals_plain_decoding(launched):
+    plain, spec = launched("plain"), launched("specserve")
+    alone = _prompts(16, seed=21)
+    want = [_gen(plain, p)["output_ids"] for p in alone]
+    got = [_gen(spec, p) for p in alone]
+    assert [g["output_ids"] for g in got] == want
+    steps = [k for g in got for k in g["meta_info"]["sloserve_draft_steps"]]
+    assert len(steps) >= 16 and max(steps) > 0  # it speculated, one decision per step
+    batch = _prompts(12, seed=22) + alone[:4]  # 4 repeats hit SGLang's radix cache
+    assert [g["output_ids"] for g in _all_at_once(spec, batch)] == \
+        [g["output_ids"] for g in _all_at_once(plain, batch)]
+
+
+def test_draft_steps_fall_as_concurrency_rises(launched):
+    """Requests whose TPOT SLO is 3x this server's plain decode step alone (measured here,
+    so the test holds on slower and faster machines): alone, every draft length fits it and
+    the plan picks the most efficient; sixteen at once, longer drafts would break it (the
+    worst-case rule: a step must fit the SLO even if nothing is accepted), so the batch
+    drafts less."""
+    server = launched("specserve")
+    plain = [_gen(server, p, custom_params={"tpot_slo": 1e-6})["meta_info"]
+             for p in _prompts(3, seed=29)]  # an SLO no draft fits: plain steps
+    assert all(set(m["sloserve_draft_steps"]) == {0} for m in plain)
+    step = sorted(m["e2e_latency"] / m["completion_tokens"] for m in plain)[1]
+    slo = 3.0 * step
+
+    def mean_steps(n: int, seed: int) -> float:
+        metas = [m["meta_info"] for m in _all_at_once(
+            server, _prompts(n, seed), custom_params={"tpot_slo": slo})]
+        steps = [k for m in metas for k in m["sloserve_draft_steps"][4:]]  # past the first
+        return sum(steps) / len(steps)
+
+    one = sum(mean_steps(1, 30 + i) for i in range(3)) / 3
+    sixteen = mean_steps(16, 40)
+    assert one > sixteen, (one, sixteen, slo)
+
+
+def test_a_tight_request_slo_turns_speculation_off_for_its_batch(launched):
+    server = launched("specserve")
+    long_ids, tight_ids = _prompts(2, seed=50)
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(_gen(server, long_ids, max_new=160)))
+    t.start()
+    time.sleep(1.0)  # the long request is decoding alone, speculating
+    tight = _gen(server, tight_ids, max_new=24, custom_params={"tpot_slo": 0.0005})
+    t.join()
+    assert set(tight["meta_info"]["sloserve_draft_steps"]) == {0}
+    steps = result["meta_info"]["sloserve_draft_steps"]
+    assert max(steps) > 0 and steps.count(0) >= 20  # off while the tight one ran
+
+
+def test_openai_client_and_sglang_frontend(launched):
+    """README's two client examples, as written there, against SPECSERVE in SGLang."""
+    server = launched("specserve")
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    model = client.models.list().data[0].id
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hello!"}], max_tokens=16,
+        extra_body={"tpot_slo": 0.05})
+    assert chat.choices[0].message.content is not None and chat.usage.completion_tokens > 0
+    chat = client.chat.completions.create(  # SGLang's place for a request's own SLO
+        model=model, messages=[{"role": "user", "content": "Hello!"}], max_tokens=8,
+        extra_body={"custom_params": {"tpot_slo": 0.5}})
+    assert chat.usage.completion_tokens > 0
+    text = "".join(c.choices[0].text for c in client.completions.create(
+        model=model, prompt="Once upon a time", max_tokens=16, stream=True))
+    assert text
+    import sglang as sgl
+
+    @sgl.function
+    def qa(s, question):
+        s += "Q: " + question + "\nA:" + sgl.gen("answer", max_tokens=16, temperature=0)
+        s += "\nIs that right? " + sgl.select("verdict", choices=["yes", "no"])
+
+    state = qa.run(question="What does speculative decoding do?",
+                   backend=sgl.RuntimeEndpoint(server.url))
+    meta = state.get_meta_info("answer")
+    assert state["answer"] is not None and state["verdict"] in ("yes", "no")
+    assert meta["spec_accept_length"] >= 1.0 and len(meta["sloserve_draft_steps"]) >= 1
+
+
+def test_draft_equal_to_target_is_always_accepted(launched):
+    server = launched("self", alone=True)
+    metas = [m["meta_info"] for m in _all_at_once(server, _prompts(8, seed=23))]
+    metas += [_gen(server, p)["meta_info"] for p in _prompts(4, seed=24)]
+    proposed = sum(sum(m["sloserve_draft_steps"]) for m in metas)
+    correct = sum(m["spec_num_correct_drafts"] for m in metas)
+    assert proposed > 100 and correct / proposed >= 0.99
+
+
+def test_serves_the_builtin_pair_as_sglang_does(launched):
+    server = launched("builtin", alone=True)
+    out = _post(server.url, "/generate", {"text": "Once upon a time", "sampling_params": {
+        "max_new_tokens": 8, "temperature": 0}})
+    assert isinstance(out["text"], str) and out["meta_info"]["completion_tokens"] >= 1
+    assert "sloserve_draft_steps" in out["meta_info"]
+    chat = _post(server.url, "/v1/chat/completions", {
+        "model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8})
+    assert chat["choices"][0]["message"]["role"] == "assistant"
+    assert chat["usage"]["completion_tokens"] >= 1
+    with urllib.request.urlopen(server.url + "/server_info", timeout=60) as r:
+        info = json.loads(r.read())
+    assert info["speculative_algorithm"] == "SPECSERVE"
+    assert info["model_path"].endswith("target") and "builtin" in info["model_path"]
