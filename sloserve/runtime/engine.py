@@ -68,7 +68,9 @@ class Engine:
         self.scheduler = self.runner.scheduler
         # penalties, grammars, min_new_tokens: each request's RequestConstraints
         self.constraints = ConstraintFactory(self.tokenizer, self.parts.target.cfg.vocab_size,
-                                             self.runner.eos, self.cfg.k_max)
+                                             self.runner.eos, self.cfg.k_max,
+                                             any_whitespace=not
+                                             self.cfg.constrained_json_disable_any_whitespace)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 

@@ -15,9 +15,12 @@ from sloserve.runtime.request import SamplingParams
 
 
 class ConstraintFactory:
-    def __init__(self, tokenizer, vocab_size: int, eos_ids: Iterable[int], max_draft: int):
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: Iterable[int], max_draft: int,
+                 any_whitespace: bool = True):
         """eos_ids: the model's stop tokens (the grammar's: once it is complete only they are
-        allowed, and min_new_tokens forbids them); max_draft: the engine's k_max."""
+        allowed, and min_new_tokens forbids them); max_draft: the engine's k_max;
+        any_whitespace: JSON schemas allow any whitespace between elements (False: compact)."""
+        self.any_whitespace = any_whitespace
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_ids = sorted({int(t) for t in eos_ids})
@@ -29,7 +32,8 @@ class ConstraintFactory:
         with self._lock:
             if self._compiler is None:
                 self._compiler = GrammarCompiler.from_hf(self.tokenizer, self.vocab_size,
-                                                         self.eos_ids)
+                                                         self.eos_ids,
+                                                         any_whitespace=self.any_whitespace)
             return self._compiler
 
     def grammar(self, params: SamplingParams) -> CompiledGrammar | None:
