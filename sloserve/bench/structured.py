@@ -1,6 +1,6 @@
 """JSON-schema generation speed with and without speculation (issue #19, acceptance 3): the
-built-in pair, every policy side by side at batch 1 and 8 in one run. Takes about 2-4
-minutes on a 2-core CPU with the defaults.
+built-in pair, every policy side by side at batch 1 and 8 in one run. Takes about 4 minutes
+on a 2-core CPU with the defaults, 8-9 with --plain.
 
     python -m sloserve.bench.structured [--policies ar,fixed:3,specserve] [--batches 1,8]
         [--temperature 0] [--repeats 3] [--out out/bench_structured.json]
