@@ -146,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--num-threads", type=_int_in(1), default=None,
                    help="torch CPU threads (default: torch's choice)")
     e.add_argument("--seed", type=int, default=_ENGINE.seed, help="engine random seed")
+    e.add_argument("--constrained-json-disable-any-whitespace", action="store_true",
+                   help="JSON-schema output in the compact layout only (no free whitespace "
+                   "between elements), as SGLang's flag of that name; default: any whitespace")
     h = p.add_argument_group("server")
     h.add_argument("--host", default="127.0.0.1", help="address to listen on")
     h.add_argument("--port", type=_int_in(0, 65535), default=30000,
@@ -191,6 +194,7 @@ def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
                                   max_queued_requests=args.max_queued_requests),
         attention_backend=args.attention_backend, device=args.device, dtype=args.dtype,
         profile_path=args.profile_path, seed=args.seed, num_threads=args.num_threads,
+        constrained_json_disable_any_whitespace=args.constrained_json_disable_any_whitespace,
     )
 
 

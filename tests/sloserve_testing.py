@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import torch
+from scipy.stats import chi2
 
 TINY_SHAPE = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=3,
@@ -27,3 +29,18 @@ def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
 def prompts_of_lengths(lengths: list[int], seed: int = 0, vocab: int = 2048) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(10, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def chi2_pvalue(samples: Counter, dist: dict) -> float:
+    """Pearson's test of observed outputs against an exact distribution {output: p}; cells
+    expected below 5 are pooled, with any output outside the support."""
+    n = sum(samples.values())
+    big = [s for s, p in dist.items() if n * p >= 5]
+    obs = [samples.get(s, 0) for s in big]
+    exp = [n * dist[s] for s in big]
+    obs.append(n - sum(obs))
+    exp.append(n - sum(exp))
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp) if e > 0)
+    if exp[-1] <= 0 and obs[-1] > 0:
+        return 0.0
+    return float(chi2.sf(stat, len(obs) - 1))

@@ -30,6 +30,9 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads (None = torch default)
     cpu_packed_linear: bool = True  # oneDNN prepacked fp32 linears on CPU (see cpu_linear.py)
+    # JSON schemas allow only the compact layout (no free whitespace between elements), as
+    # SGLang's --constrained-json-disable-any-whitespace; by default any whitespace, as SGLang
+    constrained_json_disable_any_whitespace: bool = False
 
     @property
     def num_blocks(self) -> int:

@@ -16,14 +16,17 @@ from dataclasses import dataclass
 import torch
 
 from sloserve.runtime.config import EngineConfig, resolve
+from sloserve.runtime.constraints.factory import ConstraintFactory
 from sloserve.runtime.cpu_tuning import tune_malloc
 from sloserve.runtime.engine_setup import EngineParts, build_parts
+from sloserve.runtime.logprobs import TokenLogprobs
 from sloserve.runtime.request import (
     FinishReason,
     InvalidRequest,
     Request,
     SamplingParams,
     Status,
+    expand_samples,
     validate_prompt,
 )
 from sloserve.runtime.stats import EngineStats
@@ -49,6 +52,8 @@ class RequestOutput:
     spec_verify_ct: int
     spec_accepted: int
     spec_proposed: int
+    # the new tokens' log-probabilities (params.logprobs set), aligned with new_token_ids
+    new_logprobs: TokenLogprobs | None = None
 
 
 class Engine:
@@ -65,6 +70,11 @@ class Engine:
         self.stats = EngineStats(k_max=self.cfg.k_max)
         self.runner = StepRunner(self.cfg, self.parts, self.stats)
         self.scheduler = self.runner.scheduler
+        # penalties, grammars, min_new_tokens: each request's RequestConstraints
+        self.constraints = ConstraintFactory(self.tokenizer, self.parts.target.cfg.vocab_size,
+                                             self.runner.eos, self.cfg.k_max,
+                                             any_whitespace=not
+                                             self.cfg.constrained_json_disable_any_whitespace)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 
@@ -82,8 +92,12 @@ class Engine:
         params: SamplingParams | None = None,
         rid: str | None = None,
     ) -> Request:
-        """Validate and queue a request. Raises InvalidRequest naming the bad field."""
+        """Validate and queue a request (one sample: params.n == 1; see expand_samples).
+        Raises InvalidRequest naming the bad field, e.g. a grammar that does not compile."""
         params = params or SamplingParams()
+        if params.n != 1:
+            raise InvalidRequest("n", "a request is one sample; expand_samples(params) gives "
+                                 "the n samples' parameters (Engine.generate does)")
         if isinstance(prompt, str):
             if prompt == "":
                 raise InvalidRequest("prompt", "is empty")
@@ -102,6 +116,10 @@ class Engine:
         if rid in self.requests:
             raise InvalidRequest("rid", f"request id {rid!r} is already in use")
         req = Request(rid=rid, prompt_ids=ids, params=params, arrival=time.perf_counter())
+        if params.constrained:
+            req.constraints = self.constraints.build(params, ids)
+        if params.logprobs is not None:
+            req.logprobs = TokenLogprobs(params.logprobs)
         self.requests[rid] = req
         self.runner.add(req)
         return req
@@ -188,6 +206,11 @@ class Engine:
         return outs
 
     def _output(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
+        lp = None
+        if req.logprobs is not None:  # this step's entries: the last len(new_ids)
+            n = len(req.logprobs.logprobs)
+            lp = TokenLogprobs(req.logprobs.k, req.logprobs.logprobs[n - len(new_ids):],
+                               req.logprobs.top[n - len(new_ids):] if req.logprobs.k else [])
         return RequestOutput(
             rid=req.rid,
             new_token_ids=new_ids,
@@ -200,6 +223,7 @@ class Engine:
             spec_verify_ct=req.spec.verify_steps,
             spec_accepted=req.spec.accepted,
             spec_proposed=req.spec.proposed,
+            new_logprobs=lp,
         )
 
     def generate(
@@ -207,13 +231,15 @@ class Engine:
         prompts: Sequence[str | Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[dict]:
-        """Run prompts to completion. Returns one dict per prompt (in order) with text,
-        output_ids and meta. Invalid prompts raise before anything is queued."""
+        """Run prompts to completion. Returns one dict per prompt and sample (in order; with
+        params.n > 1 a prompt's n samples follow each other) with text, output_ids and meta.
+        Invalid prompts raise before anything is queued."""
         if isinstance(params, SamplingParams) or params is None:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError("params must be one SamplingParams or one per prompt")
-        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        jobs = [(p, s) for p, sp in zip(prompts, params) for s in expand_samples(sp)]
+        reqs = [self.add_request(p, sp) for p, sp in jobs]
         while any(r.status is not Status.FINISHED for r in reqs):
             self.step()
         return [self.result(r) for r in reqs]
@@ -229,6 +255,7 @@ class Engine:
             "completion_tokens": len(req.output_ids),
             "num_preemptions": req.num_preemptions,
             "spec": vars(req.spec).copy(),
+            "logprobs": req.logprobs,
         }
 
     def check_idle_integrity(self) -> None:

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from sloserve.runtime.request import InvalidRequest
+from sloserve.runtime.errors import InvalidRequest
 
 
 @dataclass(frozen=True)

@@ -8,26 +8,30 @@ len(all_ids) - 1 tokens (it may lag: it catches up before its next draft token).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import json
 import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+from sloserve.runtime.errors import InvalidRequest
+from sloserve.runtime.penalties import PenaltyParams
 
 # Below this temperature sampling is argmax, as in SGLang (its _SAMPLING_EPS): logits / T
 # would overflow float32 (1e-40 is a float32 zero, 1e-300 too) and give NaN probabilities.
 GREEDY_TEMPERATURE = 1e-6
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
+if TYPE_CHECKING:
+    from sloserve.runtime.constraints import RequestConstraints
+    from sloserve.runtime.logprobs import TokenLogprobs
 
-class InvalidRequest(ValueError):
-    """Bad input from a client; the message names the field."""
-
-    def __init__(self, field_name: str, message: str):
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
+__all__ = ["InvalidRequest", "SamplingParams", "Request", "expand_samples"]
 
 
 @dataclass(frozen=True)
@@ -40,8 +44,22 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    no_stop_trim: bool = False  # keep the matched stop string / stop token's text in the text
     tpot_slo: float | None = None  # seconds per output token this request asks for
     ttft_slo: float | None = None  # seconds to first token
+    # penalties and min_new_tokens (runtime/penalties.py has the definitions)
+    min_new_tokens: int = 0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # the output constraint: at most one (compiled by the engine with xgrammar)
+    regex: str | None = None
+    json_schema: str | None = None  # a JSON schema as text (a dict is dumped to text)
+    ebnf: str | None = None
+    # None: no log-probabilities; k >= 0: each output token's log-probability under the
+    # distribution it was sampled from (before top-k / top-p), and the k most likely tokens
+    logprobs: int | None = None
+    n: int = 1  # independent samples of the prompt; a Request is one (expand_samples)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -54,11 +72,25 @@ class SamplingParams:
         if not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids):
             raise InvalidRequest("stop_token_ids", f"must be a list of integers, got {ids!r:.40}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+        if isinstance(self.json_schema, (dict, bool)):
+            object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
         self.validate()
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def penalties(self) -> PenaltyParams:
+        return PenaltyParams(self.frequency_penalty, self.presence_penalty,
+                             self.repetition_penalty, self.min_new_tokens)
+
+    @property
+    def constrained(self) -> bool:
+        """Whether decoding needs a RequestConstraints (a grammar, a penalty or
+        min_new_tokens): processing beyond temperature / top-k / top-p."""
+        return (self.regex is not None or self.json_schema is not None or self.ebnf is not None
+                or self.min_new_tokens > 0 or self.penalties.penalizes)
 
     def validate(self) -> None:
         def bad(name, msg):
@@ -90,6 +122,27 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and not (v > 0 and math.isfinite(v)):
                 bad(name, f"must be a positive number of seconds, got {v}")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be non-negative token ids")
+        self.penalties.validate(self.max_new_tokens)
+        for name in ("regex", "json_schema", "ebnf"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                bad(name, f"must be a non-empty string, got {v!r:.60}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            bad("logprobs", f"must be None or an integer >= 0, got {self.logprobs!r}")
+        if not _is_int(self.n) or self.n < 1:
+            bad("n", f"must be an integer >= 1, got {self.n!r}")
+
+
+def expand_samples(params: SamplingParams) -> list[SamplingParams]:
+    """The n independent samples a request with params.n asks for, each with n = 1. A seeded
+    request's sample i gets seed + i, as vLLM seeds its parallel samples (SGLang copies the
+    seed, which makes seeded samples identical); unseeded ones draw from the global RNG."""
+    if params.n == 1:
+        return [params]
+    return [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            for i in range(params.n)]
 
 
 def _is_int(x) -> bool:
@@ -140,6 +193,10 @@ class Request:
     finish_time: float | None = None
     output_text: str = ""  # detokenized output, stop string trimmed
     text_sent: int = 0  # characters of output_text already handed to the client
+    # penalties / grammar / min_new_tokens state (None when params.constrained is False)
+    constraints: RequestConstraints | None = None
+    # output token log-probabilities so far (None unless params.logprobs is set)
+    logprobs: TokenLogprobs | None = None
 
     def __post_init__(self):
         if self.params.seed is not None:

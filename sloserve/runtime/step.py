@@ -14,8 +14,11 @@ import torch
 
 from sloserve.runtime.batch import Segment
 from sloserve.runtime.config import EngineConfig
+from sloserve.runtime.constraints import Processed
+from sloserve.runtime.constraints.batch import process_targets
 from sloserve.runtime.detokenizer import Detokenizer, DetokState, find_stop, partial_stop_len
 from sloserve.runtime.engine_setup import EngineParts
+from sloserve.runtime.logprobs import token_logprobs
 from sloserve.runtime.request import FinishReason, Request, Status
 from sloserve.runtime.sampler import draw, processed_probs
 from sloserve.runtime.scheduler import Scheduler
@@ -60,6 +63,7 @@ class StepRunner:
         self.eos = frozenset(eos)
         self._detok: dict[str, DetokState] = {}
         self._finished_outside: list[Request] = []
+        self._constrained = 0  # live requests with constraints (their rows need processing)
 
     @property
     def speculative(self) -> bool:
@@ -68,6 +72,7 @@ class StepRunner:
     # ----- request lifecycle
     def add(self, req: Request) -> None:
         self._detok[req.rid] = DetokState()
+        self._constrained += req.constraints is not None
         self.stats.prompt_tokens += len(req.prompt_ids)
         self.scheduler.add(req)
 
@@ -77,6 +82,7 @@ class StepRunner:
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.finish_time = time.perf_counter()
+        self._constrained -= req.constraints is not None
         self.scheduler.remove(req)
         self.policy.release(req.rid)
         if self.drafter is not None:
@@ -115,12 +121,12 @@ class StepRunner:
             draft.policy_time += planning
         # 5. one ragged target forward: prefill chunks, then per decode its last token and
         # the k_r drafts it verifies (logits for every query token of a verify segment)
+        chains = [draft.tokens[i, : int(draft.k[i])].tolist() if draft is not None else []
+                  for i in range(len(decodes))]  # [B][k_r] the verified drafts
         segs = [Segment(r.blocks, r.kv_len, r.all_ids[r.kv_len : r.kv_len + n])
                 for r, n in prefills]
-        for i, r in enumerate(decodes):
-            k = int(draft.k[i]) if draft is not None else 0
-            extra = draft.tokens[i, :k].tolist() if draft is not None and k else []
-            segs.append(Segment(r.blocks, r.kv_len, [r.all_ids[-1], *extra], all_logits=k > 0))
+        segs += [Segment(r.blocks, r.kv_len, [r.all_ids[-1], *c], all_logits=bool(c))
+                 for r, c in zip(decodes, chains)]
         t_fwd = time.perf_counter()
         logits, batch = self.parts.target.forward(segs)
         argmax = logits.argmax(dim=-1).tolist()  # (waits for the device)
@@ -129,18 +135,28 @@ class StepRunner:
             self.drafter.read_prefill([Segment(r.blocks, start, r.all_ids[start:end])
                                        for r, start, end in take_draft_prefill(prefills)])
         # 6. accept and commit: a completed prompt's first token; each decode's accepted
-        # drafts and one token from the target
+        # drafts and one token from the target. Rows of constrained requests (penalties, a
+        # grammar, min_new_tokens) are processed first, all together.
+        done = advance_prefills(prefills)
+        reqs = [prefills[i][0] for i in done] + decodes
+        chains = [[] for _ in done] + chains
+        ptr = batch.logits_indptr  # rows of segment s: ptr[s]:ptr[s + 1]
+        rows = [slice(ptr[s], ptr[s + 1]) for s in [*done, *range(len(prefills), len(segs))]]
+        processed = self._process(reqs, chains, rows, logits)
         touched: list[Touched] = []
-        for i in advance_prefills(prefills):
-            r, row = prefills[i][0], batch.logits_indptr[i]
-            touched.append(self._commit(r, [self._sample(r, logits[row], argmax[row])]))
         accepted = [0] * len(decodes)
-        base = len(prefills)
-        for i, r in enumerate(decodes):
-            lo, hi = batch.logits_indptr[base + i], batch.logits_indptr[base + i + 1]
-            emitted = self._accept(r, i, draft, logits[lo:hi], argmax[lo:hi])
-            accepted[i] = len(emitted) - 1
+        for j, r in enumerate(reqs):
+            d = j - len(done)  # index among the decodes (negative: a prefill)
+            q = draft.q[d] if d >= 0 and draft is not None and draft.q is not None else None
+            pr = processed[j]
+            emitted = self._accept(r, chains[j], q, logits[rows[j]], argmax[rows[j]], pr)
+            if d >= 0:
+                accepted[d] = len(emitted) - 1
             touched.append(self._commit(r, emitted))
+            if r.logprobs is not None:  # the committed tokens' rows, processed as sampled
+                r.logprobs.extend(token_logprobs(
+                    pr.logits if pr is not None else logits[rows[j]], touched[-1][1],
+                    r.params.temperature, r.logprobs.k))
         # 7. books and feedback
         step_time = time.perf_counter() - t0
         account_step(self.stats, decodes, draft, accepted, step_time, len(prefills),
@@ -161,27 +177,42 @@ class StepRunner:
         ))
         s.policy_time_total += draft.policy_time + time.perf_counter() - t
 
-    def _sample(self, r: Request, row: torch.Tensor, argmax: int) -> int:
-        if r.params.greedy:
-            return argmax
-        return draw(processed_probs(row[None], [r.params])[0], r.generator)
+    def _process(self, reqs: list[Request], chains: list[list[int]], rows: list[slice],
+                 logits: torch.Tensor) -> list[Processed | None]:
+        """Processed target rows of the constrained requests (None for the others)."""
+        out: list[Processed | None] = [None] * len(reqs)
+        if not self._constrained:  # the common case: no request uses these options
+            return out
+        idx = [j for j, r in enumerate(reqs) if r.constraints is not None]
+        items = [(reqs[j].constraints, logits[rows[j]], chains[j]) for j in idx]
+        for j, pr in zip(idx, process_targets(items)):
+            out[j] = pr
+        return out
 
-    def _accept(self, r: Request, i: int, draft: DraftResult | None, logits, argmax) -> list[int]:
-        k = int(draft.k[i]) if draft is not None else 0
-        if k == 0:
-            return [self._sample(r, logits[-1], argmax[-1])]
-        drafts = draft.tokens[i, :k].tolist()
-        if r.params.greedy:
-            return greedy_accept(drafts, argmax)
-        p = processed_probs(logits, [r.params] * (k + 1))
-        if draft.q is not None and draft.q[i]:
-            q = torch.stack(draft.q[i][:k])
+    def _accept(self, r: Request, chain: list[int], q: list[torch.Tensor] | None, logits,
+                argmax, pr: Processed | None) -> list[int]:
+        """The tokens emitted from one request's target rows (logits [k + 1, V], one row per
+        verified position; k = len(chain)): the accepted drafts and one token."""
+        greedy = r.params.greedy
+        if pr is not None:  # a constrained request: its processed rows decide
+            argmax, probs = pr.argmax, pr.probs
+        else:
+            probs = None if greedy else processed_probs(logits, [r.params] * len(chain + [0]))
+        if not chain:
+            return [argmax[-1] if greedy else draw(probs[-1], r.generator)]
+        if greedy:
+            return greedy_accept(chain, argmax)
+        if q:
+            q_rows = torch.stack(q[: len(chain)])
         else:  # n-gram proposals are deterministic: q is one-hot on the proposed token
-            q = torch.zeros(k, p.shape[-1]).scatter_(1, torch.tensor(drafts)[:, None], 1.0)
-        return speculative_accept(drafts, q, p, r.generator)
+            q_rows = torch.zeros(len(chain), probs.shape[-1]).scatter_(
+                1, torch.tensor(chain)[:, None], 1.0)
+        return speculative_accept(chain, q_rows, probs, r.generator)
 
     # ----- commit: append tokens, stop checks, KV rollback
     def _commit(self, r: Request, tokens: list[int]) -> Touched:
+        """Append the emitted tokens up to a stop (or the length limit); stop checks, the
+        constraints' commit, KV rollback."""
         st = self._detok[r.rid]
         new_ids: list[int] = []
         reason = None
@@ -190,17 +221,25 @@ class StepRunner:
             new_ids.append(t)
             if r.first_token_time is None:
                 r.first_token_time = time.perf_counter()
+            reason = self._token_stop(r, t)
+            if reason is not None and not r.params.no_stop_trim:
+                break  # as SGLang: a stop token's text is not part of the output
             piece = self.detok.push(st, t)
             r.output_text = st.text
-            reason = self._stop_reason(r, t, len(piece))
+            reason = reason or self._text_stop(r, len(piece))
+            if reason is None and r.room(self.parts.target.cfg.max_position_embeddings) <= 0:
+                reason = FinishReason.LENGTH
             if reason is not None:
                 break
         self.stats.generated_tokens += len(new_ids)
-        if reason is None and r.status is Status.RUNNING:
-            settle_kv(r, self.scheduler)
+        if reason is None:
+            if r.constraints is not None:
+                r.constraints.commit(new_ids)
+            if r.status is Status.RUNNING:
+                settle_kv(r, self.scheduler)
         if reason is not None:
-            if not isinstance(r.matched_stop, str):  # no stop string cut the text: flush
-                self.detok.flush(st)
+            if r.params.no_stop_trim or not isinstance(r.matched_stop, str):
+                self.detok.flush(st)  # no stop string cut the text: emit what is held back
                 r.output_text = st.text
             self.finish(r, reason)
             safe = len(r.output_text)
@@ -210,19 +249,24 @@ class StepRunner:
         r.text_sent = max(r.text_sent, safe)
         return r, new_ids, new_text
 
-    def _stop_reason(self, r: Request, t: int, new_chars: int) -> FinishReason | None:
+    def _token_stop(self, r: Request, t: int) -> FinishReason | None:
+        """EOS (unless ignore_eos), a stop token id, or the end of the request's grammar (a
+        stop token it accepted ends it even with ignore_eos, as in SGLang)."""
         p = r.params
-        if not p.ignore_eos and t in self.eos:
+        is_eos = t in self.eos
+        if (is_eos and not p.ignore_eos) or t in p.stop_token_ids or (
+                is_eos and r.constraints is not None and r.constraints.grammar is not None):
             r.matched_stop = t
             return FinishReason.STOP
-        if t in p.stop_token_ids:
-            r.matched_stop = t
-            return FinishReason.STOP
-        hit = find_stop(r.output_text, new_chars, p.stop)
-        if hit is not None:
-            r.output_text = r.output_text[: hit[0]]
-            r.matched_stop = hit[1]
-            return FinishReason.STOP
-        if r.room(self.parts.target.cfg.max_position_embeddings) <= 0:
-            return FinishReason.LENGTH
         return None
+
+    def _text_stop(self, r: Request, new_chars: int) -> FinishReason | None:
+        """A stop string completed by the last token's text (cut from the text unless
+        no_stop_trim)."""
+        hit = find_stop(r.output_text, new_chars, r.params.stop)
+        if hit is None:
+            return None
+        if not r.params.no_stop_trim:
+            r.output_text = r.output_text[: hit[0]]
+        r.matched_stop = hit[1]
+        return FinishReason.STOP

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -12,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from sloserve.runtime.async_engine import EngineFailure
-from sloserve.runtime.request import SamplingParams
+from sloserve.runtime.request import SamplingParams, expand_samples
 from sloserve.sglang_ext.errors import APIError, parse_body
 from sloserve.sglang_ext.logprobs import triples
 from sloserve.sglang_ext.protocol import (
@@ -50,11 +51,29 @@ async def prepare(state: ServingState, item: Item, batched: bool) -> Job:
     if max_new < 0:
         raise APIError.bad("sampling_params.max_new_tokens", f"must be >= 0, got {max_new}")
     state.check_fits(len(ids), max(max_new, 1), field, "sampling_params.max_new_tokens")
-    params = to_engine_params(sp, max_new_tokens=max(max_new, 1))
+    params = to_engine_params(sp, max_new_tokens=max(max_new, 1),
+                              logprobs=item.top_logprobs_num if item.return_logprob else None)
     if item.return_logprob and item.logprob_start_len > len(ids):
         raise APIError.bad("logprob_start_len", f"{item.logprob_start_len} is beyond the "
                            f"prompt's {len(ids)} tokens")
     return Job(item, ids, params if max_new > 0 else None)
+
+
+def expand(jobs: list[Job], batched: bool) -> tuple[list[Job], bool]:
+    """The independent samples of jobs with sampling_params.n > 1, prompt-major as SGLang
+    orders them (prompt 0's n samples, then prompt 1's); with any such job the answer is a
+    list, as SGLang's. A sample's rid is the prompt's rid + "_" + its number."""
+    if all(j.item.sp.n == 1 for j in jobs):
+        return jobs, batched
+    out: list[Job] = []
+    for job in jobs:
+        n = job.item.sp.n
+        samples = expand_samples(job.params) if job.params is not None else [None] * n
+        for i, params in enumerate(samples):
+            rid = f"{job.item.rid}_{i}" if n > 1 else job.item.rid
+            out.append(Job(dataclasses.replace(job.item, index=len(out), rid=rid), job.ids,
+                           params))
+    return out, True
 
 
 def meta_info(job: Job, prog: Progress | None, final: bool) -> dict:
@@ -88,35 +107,37 @@ def meta_info(job: Job, prog: Progress | None, final: bool) -> dict:
     return meta
 
 
-def _text(job: Job, prog: Progress | None) -> str:
-    if prog is None:
-        return ""
-    last = prog.last
-    if (job.item.sp.no_stop_trim and last is not None and last.finish_reason == "stop"
-            and isinstance(last.matched_stop, str)):
-        return prog.text + last.matched_stop
-    return prog.text
+def _text(prog: Progress | None) -> str:
+    return "" if prog is None else prog.text
 
 
 async def _add_logprobs(state: ServingState, job: Job, prog: Progress | None, meta: dict) -> None:
+    """Prompt tokens' values scored by the target model (logprobs.py); output tokens' values
+    recorded by the engine from the distributions they were sampled from (runtime/logprobs.py:
+    penalties and grammar mask applied, temperature-scaled), as SGLang reports them."""
     it = job.item
-    out_ids = prog.output_ids if prog is not None else []
     if prog is not None and prog.last is not None and prog.last.finish_reason == "abort":
         return
     start = len(job.ids) if it.logprob_start_len == -1 else it.logprob_start_len
-    sc = await state.score(job.ids + out_ids, start, it.top_logprobs_num)
-    n_in = len(job.ids) - start
+    in_lp: list[float | None] = []
+    in_ids: list[int] = []
+    in_top: list[list[tuple[float, int]]] = []
+    if start < len(job.ids):
+        sc = await state.score(job.ids, start, it.top_logprobs_num)
+        in_lp, in_ids, in_top = sc.logprobs, sc.token_ids, sc.top
+    out_ids = prog.output_ids if prog is not None else []
+    lp = prog.logprobs if prog is not None else None
+    out_lp: list[float | None] = list(lp.logprobs) if lp is not None else []
+    out_top = [[(v, t) for t, v in row] for row in lp.top] if lp is not None else []
     tok, with_text = state.tokenizer, it.return_text
-    meta["input_token_logprobs"] = triples(sc.logprobs[:n_in], sc.token_ids[:n_in], tok,
-                                           with_text)
-    meta["output_token_logprobs"] = triples(sc.logprobs[n_in:], sc.token_ids[n_in:], tok,
-                                            with_text)
+    meta["input_token_logprobs"] = triples(in_lp, in_ids, tok, with_text)
+    meta["output_token_logprobs"] = triples(out_lp, out_ids, tok, with_text)
     if it.top_logprobs_num > 0:
         def tops(rows):
             return [triples([v for v, _ in r], [i for _, i in r], tok, with_text) if r else None
                     for r in rows]
-        meta["input_top_logprobs"] = tops(sc.top[:n_in])
-        meta["output_top_logprobs"] = tops(sc.top[n_in:])
+        meta["input_top_logprobs"] = tops(in_top)
+        meta["output_top_logprobs"] = tops(out_top)
 
 
 async def run_job(state: ServingState, job: Job) -> dict:
@@ -128,7 +149,7 @@ async def run_job(state: ServingState, job: Job) -> dict:
     meta = meta_info(job, prog, final=True)
     if job.item.return_logprob:
         await _add_logprobs(state, job, prog, meta)
-    return {"text": _text(job, prog), "output_ids": prog.output_ids if prog else [],
+    return {"text": _text(prog), "output_ids": prog.output_ids if prog else [],
             "meta_info": meta}
 
 
@@ -145,7 +166,7 @@ async def stream_job(state: ServingState, job: Job, batched: bool) -> AsyncItera
             meta = meta_info(job, prog, final=prog.finished)
             if prog.finished and job.item.return_logprob:
                 await _add_logprobs(state, job, prog, meta)
-            yield {"text": _text(job, prog), "output_ids": list(prog.output_ids),
+            yield {"text": _text(prog), "output_ids": list(prog.output_ids),
                    "meta_info": meta, **index}
 
 
@@ -178,6 +199,10 @@ async def generate(request: Request, state: ServingState):
         if isinstance(it.prompt, str):
             state.check_text_size(len(it.prompt), f"text[{it.index}]" if batched else "text")
     jobs = [await prepare(state, it, batched) for it in items]
+    for job in jobs:
+        if job.params is not None:
+            await state.check_grammar(job.params, "sampling_params.")
+    jobs, batched = expand(jobs, batched)
     if req.stream:
         if batched:
             return StreamingResponse(_events(None, _items_stream(state, jobs)),

@@ -1,5 +1,6 @@
 """OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions (streaming with
-server-sent events ending `data: [DONE]`, `stream_options.include_usage`)."""
+server-sent events ending `data: [DONE]`, `stream_options.include_usage`); `n` choices per
+prompt, `logprobs` (streamed with the tokens they belong to), completions' `echo`."""
 
 from __future__ import annotations
 
@@ -9,18 +10,19 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from sloserve.runtime.async_engine import EngineDeadError, EngineFailure
-from sloserve.runtime.request import SamplingParams
+from sloserve.runtime.request import SamplingParams, expand_samples
 from sloserve.sglang_ext.errors import APIError, parse_body
+from sloserve.sglang_ext.openai_logprobs import Entries, chat_logprobs, completion_logprobs
 from sloserve.sglang_ext.openai_protocol import ChatCompletionRequest, CompletionRequest
 from sloserve.sglang_ext.serving import Progress, ServingState, merge, until_disconnect
 
 router = APIRouter(prefix="/v1")
-Job = tuple[list[int], SamplingParams]
 
 
 def serving(request: Request) -> ServingState:
@@ -35,21 +37,40 @@ async def models(request: Request):
     return {"object": "list", "data": [card]}
 
 
+@dataclass
+class Job:
+    """One choice: a prompt's sample (n > 1: its n samples are choices i * n ... i * n + n - 1)."""
+
+    index: int
+    ids: list[int]
+    params: SamplingParams
+    sample: int  # which of its prompt's n samples
+    echo: str = ""  # the prompt's text, put before the choice's text (completions' echo)
+
+
 async def _jobs(st: ServingState, body, prompts: list, max_new: int | None, field: str,
-                max_field: str = "max_tokens") -> list[Job]:
+                max_field: str = "max_tokens", echo: bool = False) -> list[Job]:
     if max_new is not None and max_new < 1:
         raise APIError.bad("max_tokens", f"must be >= 1, got {max_new}")
     names = [field if len(prompts) == 1 else f"{field}[{i}]" for i in range(len(prompts))]
     for p, name in zip(prompts, names):  # every text measured before any is tokenized
         if isinstance(p, str):
             st.check_text_size(len(p), name)
-    jobs = []
+    jobs: list[Job] = []
     for p, name in zip(prompts, names):
         ids = await st.prompt_ids(p, name)
         n = max_new if max_new is not None else st.default_max_tokens(len(ids))
         st.check_fits(len(ids), n, name, max_field)
-        jobs.append((ids, body.engine_params(n)))
+        text = (p if isinstance(p, str) else st.tokenizer.decode(ids)) if echo else ""
+        for j, sp in enumerate(expand_samples(body.engine_params(n, body.logprobs_k))):
+            jobs.append(Job(len(jobs), ids, sp, j, text))
     return jobs
+
+
+async def _check_grammar(st: ServingState, body, jobs: list[Job]) -> None:
+    spec = body.grammar()
+    if spec is not None:  # one constraint for all prompts: compile it once
+        await st.check_grammar(jobs[0].params, field_name=spec.source)
 
 
 @router.post("/completions")
@@ -57,7 +78,8 @@ async def completions(request: Request):
     st = serving(request)
     body = await parse_body(request, CompletionRequest)
     body.check()
-    jobs = await _jobs(st, body, body.prompts(), body.max_tokens, "prompt")
+    jobs = await _jobs(st, body, body.prompts(), body.max_tokens, "prompt", echo=body.echo)
+    await _check_grammar(st, body, jobs)
     return await _respond(request, st, body, jobs, chat=False)
 
 
@@ -78,81 +100,133 @@ async def chat_completions(request: Request):
         raise APIError.bad("messages", f"the chat template rejected them: {e}") from None
     max_field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
     jobs = await _jobs(st, body, [text], body.max_new, "messages", max_field)
+    await _check_grammar(st, body, jobs)
     return await _respond(request, st, body, jobs, chat=True)
 
 
-def _finish(prog: Progress) -> str | None:
-    return prog.last.finish_reason if prog.last is not None and prog.finished else None
+def _finish(prog: Progress | None) -> str | None:
+    return prog.last.finish_reason if prog and prog.last is not None and prog.finished else None
 
 
-def _usage(progs: list[Progress | None]) -> dict:
-    p = sum(x.prompt_tokens for x in progs if x)
+def _usage(jobs: list[Job], progs: list[Progress | None]) -> dict:
+    p = sum(len(j.ids) for j in jobs if j.sample == 0)  # a prompt counts once, whatever n
     c = sum(x.last.completion_tokens for x in progs if x and x.last)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+async def _prompt_entries(st: ServingState, job: Job, k: int) -> Entries:
+    """The echoed prompt's tokens with the target model's log-probabilities."""
+    sc = await st.score(job.ids, 0, k)
+    e = Entries()
+    e.add(sc.token_ids, sc.logprobs, [[(t, v) for v, t in row] if row else None
+                                      for row in sc.top])
+    return e
+
+
+def _output_entries(prog: Progress | None, lo: int = 0) -> Entries:
+    """The output tokens from the lo-th on, with the engine's log-probabilities."""
+    e = Entries()
+    lp = prog.logprobs if prog is not None else None
+    if prog is None or lp is None:
+        return e
+    tops = lp.top[lo:] if lp.k else [None] * (len(lp.logprobs) - lo)
+    e.add(prog.output_ids[lo:], lp.logprobs[lo:], tops)
+    return e
 
 
 async def _respond(request: Request, st: ServingState, body, jobs: list[Job], chat: bool):
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     head = {"id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": st.model_name}
+    k = body.logprobs_k
+    echoed = {}
+    if k is not None and any(j.echo for j in jobs):
+        echoed = {j.index: await _prompt_entries(st, j, k) for j in jobs if j.echo}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _stream(st, jobs, head, chat, include_usage)
+        events = _stream(st, jobs, head, chat, include_usage, k, echoed)
         return StreamingResponse(events, media_type="text/event-stream")
     progs: list[Progress | None] = [None] * len(jobs)
 
     async def collect():
-        async with aclosing(merge([st.run(ids, sp, None) for ids, sp in jobs])) as merged:
+        runs = [st.run(j.ids, j.params, None) for j in jobs]
+        async with aclosing(merge(runs)) as merged:
             async for i, prog in merged:
                 progs[i] = prog
         return progs
 
     await until_disconnect(request, collect())
     choices = []
-    for i, prog in enumerate(progs):
-        c = {"index": i, "logprobs": None, "finish_reason": _finish(prog)}
+    for job, prog in zip(jobs, progs):
+        text = prog.text if prog is not None else ""
+        c: dict = {"index": job.index, "logprobs": None, "finish_reason": _finish(prog)}
         if chat:
-            c["message"] = {"role": "assistant", "content": prog.text}
+            c["message"] = {"role": "assistant", "content": text}
+            if k is not None:
+                c["logprobs"] = chat_logprobs(st.tokenizer, _output_entries(prog), k)
         else:
-            c["text"] = prog.text
+            c["text"] = job.echo + text
+            if k is not None:
+                e = echoed.get(job.index, Entries())
+                out = _output_entries(prog)
+                e.add(out.ids, out.logprobs, out.tops)
+                c["logprobs"] = completion_logprobs(st.tokenizer, e, k)
         choices.append(c)
-    return JSONResponse({**head, "choices": choices, "usage": _usage(progs)})
+    return JSONResponse({**head, "choices": choices, "usage": _usage(jobs, progs)})
 
 
 def _sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
-async def _stream(st: ServingState, jobs: list[Job], head: dict, chat: bool, include_usage: bool
+async def _stream(st: ServingState, jobs: list[Job], head: dict, chat: bool,
+                  include_usage: bool, k: int | None, echoed: dict[int, Entries]
                   ) -> AsyncIterator[bytes]:
     head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
     progs: list[Progress | None] = [None] * len(jobs)
     sent = [0] * len(jobs)  # characters of each choice's text already sent
+    sent_tokens = [0] * len(jobs)  # output tokens whose logprobs were sent
+    offset = [0] * len(jobs)  # text_offset of the next token (completions' logprobs)
 
-    def chunk(i: int, delta: str, finish: str | None, first: bool = False) -> bytes:
+    def logprobs(i: int, e: Entries):
+        if k is None:
+            return None
+        if chat:
+            return chat_logprobs(st.tokenizer, e, k)
+        lp = completion_logprobs(st.tokenizer, e, k, offset[i])
+        offset[i] += sum(len(t) for t in lp["tokens"])
+        return lp
+
+    def chunk(i: int, delta: str, finish: str | None, lp=None, first: bool = False) -> bytes:
         if chat:
             d = {"role": "assistant", "content": delta} if first else (
                 {"content": delta} if delta or finish is None else {})
-            c = {"index": i, "delta": d, "logprobs": None, "finish_reason": finish}
+            c = {"index": i, "delta": d, "logprobs": lp, "finish_reason": finish}
         else:
-            c = {"index": i, "text": delta, "logprobs": None, "finish_reason": finish}
+            c = {"index": i, "text": delta, "logprobs": lp, "finish_reason": finish}
         return _sse({**head, "choices": [c]})
 
     try:
-        if chat:
-            for i in range(len(jobs)):
-                yield chunk(i, "", None, first=True)
-        async with aclosing(merge([st.run(ids, sp, None) for ids, sp in jobs])) as merged:
+        for job in jobs:
+            if chat:
+                yield chunk(job.index, "", None, first=True)
+            elif job.echo:
+                yield chunk(job.index, job.echo, None,
+                            logprobs(job.index, echoed.get(job.index, Entries())))
+        runs = [st.run(j.ids, j.params, None) for j in jobs]
+        async with aclosing(merge(runs)) as merged:
             async for i, prog in merged:
                 progs[i] = prog
                 # the cumulative text may shrink by a stop-string prefix at the very end;
                 # what was sent stays sent
                 delta = prog.text[sent[i]:]
                 sent[i] = max(sent[i], len(prog.text))
-                if delta or prog.finished:
-                    yield chunk(i, delta, _finish(prog))
+                new = _output_entries(prog, sent_tokens[i])
+                if delta or prog.finished or (k is not None and new.ids):
+                    sent_tokens[i] += len(new.ids)
+                    yield chunk(i, delta, _finish(prog), logprobs(i, new))
         if include_usage:
-            yield _sse({**head, "choices": [], "usage": _usage(progs)})
+            yield _sse({**head, "choices": [], "usage": _usage(jobs, progs)})
     except (APIError, EngineFailure) as e:
         code = e.status if isinstance(e, APIError) else 503 if isinstance(e, EngineDeadError) else 500
         yield _sse({"error": {"message": str(e), "type": type(e).__name__, "code": code}})

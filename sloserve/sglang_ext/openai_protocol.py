@@ -1,9 +1,12 @@
 """OpenAI-compatible request bodies (/v1/completions, /v1/chat/completions).
 
-Standard fields the server cannot honour are accepted only at their neutral value; unknown
-fields are a 400 naming them. Extensions (send them with the official client's `extra_body`):
-`top_k`, `ignore_eos`, `stop_token_ids`, and the per-request SLOs `tpot_slo` / `ttft_slo` in
-seconds.
+Honoured: `n`, `presence_penalty`, `frequency_penalty`, `response_format` (`json_object`,
+`json_schema`), completions' `logprobs` and `echo`, chat's `logprobs` / `top_logprobs`. Standard
+fields the server cannot honour are accepted only at their neutral value; unknown fields are a
+400 naming them. Extensions, SGLang's names (send them with the official client's
+`extra_body`): `top_k`, `min_tokens`, `repetition_penalty`, `regex`, `json_schema`, `ebnf`,
+`ignore_eos`, `stop_token_ids`, `no_stop_trim`, and the per-request SLOs `tpot_slo` /
+`ttft_slo` in seconds.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from sloserve.runtime.constraints.spec import GrammarSpec, grammar_spec
 from sloserve.runtime.request import InvalidRequest, SamplingParams
 from sloserve.sglang_ext.errors import APIError
 
@@ -41,19 +45,22 @@ class _Sampling(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # an end-user id; recorded nowhere
+    response_format: dict[str, Any] | None = None
     # extensions
     top_k: int = -1
+    min_tokens: int = 0
+    repetition_penalty: float | None = None
+    regex: str | None = None
+    json_schema: str | dict[str, Any] | None = None
+    ebnf: str | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    no_stop_trim: bool = False
     tpot_slo: float | None = None
     ttft_slo: float | None = None
 
     def _check_neutral(self, extra: dict[str, tuple[Any, tuple, str]]) -> None:
         checks = {
-            "n": (self.n, (1,), "only n=1 is supported"),
-            "presence_penalty": (self.presence_penalty, (None, 0.0), "penalties are not supported"),
-            "frequency_penalty": (self.frequency_penalty, (None, 0.0),
-                                  "penalties are not supported"),
             "logit_bias": (self.logit_bias, (None, {}), "logit_bias is not supported"),
             **extra,
         }
@@ -61,7 +68,21 @@ class _Sampling(BaseModel):
             if value not in ok:
                 raise APIError.bad(name, f"{why} (got {value!r})")
 
-    def engine_params(self, max_new_tokens: int) -> SamplingParams:
+    def grammar(self) -> GrammarSpec | None:
+        """The output constraint (regex, json_schema, ebnf or response_format); 400 naming
+        the field when malformed or more than one is given."""
+        try:
+            return grammar_spec(regex=self.regex, json_schema=self.json_schema, ebnf=self.ebnf,
+                                response_format=self.response_format)
+        except InvalidRequest as e:
+            raise APIError.bad(e.field, str(e).split(": ", 1)[1]) from None
+
+    def engine_params(self, max_new_tokens: int, logprobs: int | None = None) -> SamplingParams:
+        """logprobs: None, or how many top log-probabilities per output token to record."""
+        spec = self.grammar()
+        text = {"regex": None, "json_schema": None, "ebnf": None}
+        if spec is not None:
+            text[spec.kind] = spec.text
         try:
             return SamplingParams(
                 max_new_tokens=max_new_tokens,
@@ -70,11 +91,20 @@ class _Sampling(BaseModel):
                 seed=self.seed, stop=tuple([self.stop] if isinstance(self.stop, str)
                                            else self.stop or ()),
                 stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-                tpot_slo=self.tpot_slo, ttft_slo=self.ttft_slo,
+                no_stop_trim=self.no_stop_trim, tpot_slo=self.tpot_slo, ttft_slo=self.ttft_slo,
+                min_new_tokens=self.min_tokens, frequency_penalty=self.frequency_penalty or 0.0,
+                presence_penalty=self.presence_penalty or 0.0,
+                repetition_penalty=(1.0 if self.repetition_penalty is None
+                                    else self.repetition_penalty),
+                logprobs=logprobs, n=self.n, **text,
             )
         except InvalidRequest as e:
-            name = "max_tokens" if e.field == "max_new_tokens" else e.field
+            name = _OPENAI_NAMES.get(e.field, e.field)
             raise APIError.bad(name, str(e).split(": ", 1)[1]) from None
+
+
+_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+MAX_TOP_LOGPROBS = 20
 
 
 class CompletionRequest(_Sampling):
@@ -86,13 +116,18 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
 
     def check(self) -> None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise APIError.bad("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got "
+                               f"{self.logprobs}")
         self._check_neutral({
-            "logprobs": (self.logprobs, (None,), "logprobs are not supported here; use "
-                         "/generate with return_logprob"),
-            "echo": (self.echo, (False,), "echo is not supported"),
             "best_of": (self.best_of, (None, 1), "only best_of=1 is supported"),
             "suffix": (self.suffix, (None, ""), "suffix is not supported"),
         })
+
+    @property
+    def logprobs_k(self) -> int | None:
+        """Top log-probabilities per output token to record (None: no logprobs)."""
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -131,18 +166,18 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: str | None = None
     parallel_tool_calls: bool | None = None
 
     def check(self) -> None:
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise APIError.bad("top_logprobs", "needs logprobs: true")
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise APIError.bad("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got "
+                                   f"{self.top_logprobs}")
         self._check_neutral({
-            "logprobs": (self.logprobs, (None, False), "logprobs are not supported here; use "
-                         "/generate with return_logprob"),
-            "top_logprobs": (self.top_logprobs, (None, 0), "logprobs are not supported"),
-            "response_format": (self.response_format, (None, {"type": "text"}),
-                                "structured output is not supported"),
             "tools": (self.tools, (None, []), "tool calling is not supported"),
             "tool_choice": (self.tool_choice, (None, "none", "auto"),
                             "tool calling is not supported"),
@@ -150,6 +185,10 @@ class ChatCompletionRequest(_Sampling):
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise APIError.bad("max_completion_tokens", "give max_tokens or "
                                "max_completion_tokens, not both")
+
+    @property
+    def logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def max_new(self) -> int | None:

@@ -1,8 +1,10 @@
 """SGLang's native `/generate` protocol (SGLang's `GenerateReqInput` and `SamplingParams`).
 
 Every key SGLang's frontend (`sglang.RuntimeEndpoint`) and its benchmark client send is
-accepted; keys this server cannot honour are accepted only at their neutral value (e.g.
-`min_p: 0`, `regex: null`) and any other value is a 400 naming the key. Unknown keys are a
+accepted. Constrained decoding (`regex`, `json_schema`, `ebnf`), `min_new_tokens`, `n`, the
+three penalties and `no_stop_trim` are honoured (under speculation too); keys this server
+cannot honour are accepted only at their neutral value (e.g. `min_p: 0`,
+`structural_tag: null`) and any other value is a 400 naming the key. Unknown keys are a
 400 too (extra="forbid"). Per-request SLOs are the sampling parameters `tpot_slo` and
 `ttft_slo`, in seconds.
 """
@@ -15,6 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from sloserve.runtime.constraints.spec import grammar_spec
 from sloserve.runtime.request import InvalidRequest, SamplingParams
 from sloserve.sglang_ext.errors import APIError, from_invalid
 
@@ -57,15 +60,9 @@ class SGLangSamplingParams(BaseModel):
 
 # (key, neutral value(s), why not) for keys accepted only at their neutral value
 _NEUTRAL: list[tuple[str, tuple, str]] = [
-    ("min_new_tokens", (0,), "min_new_tokens is not supported (must be 0)"),
     ("min_p", (0.0,), "min_p sampling is not supported (must be 0)"),
-    ("frequency_penalty", (0.0,), "penalties are not supported (must be 0)"),
-    ("presence_penalty", (0.0,), "penalties are not supported (must be 0)"),
-    ("repetition_penalty", (1.0,), "penalties are not supported (must be 1)"),
-    ("regex", (None,), "constrained decoding (regex) is not supported"),
-    ("json_schema", (None,), "constrained decoding (json_schema) is not supported"),
-    ("ebnf", (None,), "constrained decoding (ebnf) is not supported"),
-    ("structural_tag", (None,), "constrained decoding (structural_tag) is not supported"),
+    ("structural_tag", (None,), "constrained decoding (structural_tag) is not supported; use "
+     "regex, json_schema or ebnf"),
     ("stop_regex", (None, "", []), "stop_regex is not supported; use stop strings"),
     ("logit_bias", (None, {}), "logit_bias is not supported"),
     ("custom_params", (None, {}), "custom_params is not supported"),
@@ -74,25 +71,29 @@ _NEUTRAL: list[tuple[str, tuple, str]] = [
 
 
 def to_engine_params(
-    sp: SGLangSamplingParams, *, max_new_tokens: int, prefix: str = "sampling_params."
+    sp: SGLangSamplingParams, *, max_new_tokens: int, logprobs: int | None = None,
+    prefix: str = "sampling_params.",
 ) -> SamplingParams:
     """Engine sampling parameters; 400 naming the key for unsupported or out-of-range values.
-    `max_new_tokens` is the resolved (positive) token budget."""
+    `max_new_tokens` is the resolved (positive) token budget; `logprobs`: None, or the number
+    of top log-probabilities per output token the engine records (return_logprob)."""
     for key, neutral, why in _NEUTRAL:
         if getattr(sp, key) not in neutral:
             raise APIError.bad(prefix + key, why)
-    if sp.n != 1:
-        raise APIError.bad(prefix + "n", f"only n=1 is supported (got {sp.n}); send the "
-                           "request n times with different seeds instead")
     if sp.seed is not None and sp.sampling_seed is not None and sp.seed != sp.sampling_seed:
         raise APIError.bad(prefix + "seed", "differs from sampling_seed (give one of them)")
     try:
+        grammar_spec(regex=sp.regex, json_schema=sp.json_schema, ebnf=sp.ebnf)
         return SamplingParams(
             max_new_tokens=max_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
             top_k=sp.top_k, seed=sp.sampling_seed if sp.sampling_seed is not None else sp.seed,
             stop=tuple([sp.stop] if isinstance(sp.stop, str) else sp.stop or ()),
             stop_token_ids=tuple(sp.stop_token_ids or ()), ignore_eos=sp.ignore_eos,
-            tpot_slo=sp.tpot_slo, ttft_slo=sp.ttft_slo,
+            no_stop_trim=sp.no_stop_trim, tpot_slo=sp.tpot_slo, ttft_slo=sp.ttft_slo,
+            min_new_tokens=sp.min_new_tokens, frequency_penalty=sp.frequency_penalty,
+            presence_penalty=sp.presence_penalty, repetition_penalty=sp.repetition_penalty,
+            regex=sp.regex, json_schema=sp.json_schema, ebnf=sp.ebnf, logprobs=logprobs,
+            n=sp.n,
         )
     except InvalidRequest as e:
         raise from_invalid(e, prefix) from None

@@ -16,6 +16,7 @@ from fastapi import Request
 from sloserve.runtime.async_engine import AsyncEngine
 from sloserve.runtime.engine import Engine, QueueFull, RequestOutput
 from sloserve.runtime.engine_setup import load_tokenizer, model_name
+from sloserve.runtime.logprobs import TokenLogprobs
 from sloserve.runtime.request import InvalidRequest, SamplingParams, validate_prompt
 from sloserve.sglang_ext.errors import APIError, from_invalid
 from sloserve.sglang_ext.logprobs import PoolBusy, Scores, score_tokens
@@ -38,6 +39,9 @@ class Progress:
     output_ids: list[int] = field(default_factory=list)
     first_token: float | None = None
     last: RequestOutput | None = None
+    keep_stop: bool = False  # no_stop_trim: the engine's text keeps a matched stop string
+    # the output tokens' log-probabilities from the engine (the request asked for them)
+    logprobs: TokenLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -53,7 +57,12 @@ class Progress:
         if out.new_token_ids and self.first_token is None:
             self.first_token = time.perf_counter()
         self.last = out
-        if out.finished and out.finish_reason == "stop" and isinstance(out.matched_stop, str):
+        if out.new_logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = TokenLogprobs(out.new_logprobs.k)
+            self.logprobs.extend(out.new_logprobs)
+        if (out.finished and out.finish_reason == "stop" and isinstance(out.matched_stop, str)
+                and not self.keep_stop):
             self.text = _trim_stop(self.text, out.matched_stop)
 
 
@@ -164,12 +173,27 @@ class ServingState:
                     raise APIError(503, f"KV cache busy, cannot score the prompt now: {e}") from e
                 await asyncio.sleep(0.05)
 
+    async def check_grammar(self, params: SamplingParams, prefix: str = "",
+                            field_name: str | None = None) -> None:
+        """Compile the request's grammar (regex, json_schema, ebnf) off the engine thread, so
+        that a bad one is a 400 naming the field (prefix + its name, or field_name) before
+        anything is queued, and the engine thread finds it compiled (the compiler caches)."""
+        if params.regex is None and params.json_schema is None and params.ebnf is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.constraints.grammar, params)
+        except InvalidRequest as e:
+            err = from_invalid(e, prefix)
+            if field_name is not None:
+                err = APIError.bad(field_name, err.message.split(": ", 1)[-1])
+            raise err from None
+
     async def run(self, ids: list[int], params: SamplingParams, rid: str | None
                   ) -> AsyncIterator[Progress]:
         """Submit one request; yields its Progress after every engine step that touched it.
         Raises APIError (400) before the first yield when the engine rejects the request.
         Leaving early (client gone, cancellation) aborts it and frees its KV blocks."""
-        prog = Progress(rid=rid or "", prompt_tokens=len(ids))
+        prog = Progress(rid=rid or "", prompt_tokens=len(ids), keep_stop=params.no_stop_trim)
         gen = self.aengine.generate(ids, params, rid)
         try:
             async for out in gen:

@@ -98,6 +98,21 @@ def test_drafting_masks_then_verify_reuses_them(grammar, ids):
     assert torch.equal(_mask(st), ref[6])
 
 
+def test_verify_after_pushes_without_masks(grammar, ids):
+    """Drafts pushed without reading their masks (how the n-gram drafter proposes): the verify
+    rows are still the masks of their positions."""
+    ref = reference_masks(grammar, ids)
+    st = GrammarState(grammar)
+    st.commit(ids[:3])
+    for t in ids[3:8]:
+        assert st.push(t)
+    bm, n_valid = st.verify_bitmask(ids[3:7])
+    assert n_valid == 4 and st.num_tentative == 4
+    assert torch.equal(to_bool(bm, grammar.vocab_size), ref[3:8])
+    st.commit(ids[3:5] + [ids[5]])
+    assert torch.equal(_mask(st), ref[6])
+
+
 def test_drop_drafts_returns_to_the_committed_state(grammar, ids):
     st = GrammarState(grammar)
     st.commit(ids[:4])

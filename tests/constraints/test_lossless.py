@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 import torch
-from scipy.stats import chi2
+from sloserve_testing import chi2_pvalue
 
 from sloserve.runtime.penalties import PenaltyParams
 from sloserve.runtime.request import SamplingParams
@@ -44,20 +44,6 @@ def exact_distribution(comp) -> dict[tuple[int, ...], float]:
 
     expand((), 1.0)
     return dist
-
-
-def chi2_pvalue(samples: Counter, dist: dict) -> float:
-    """Pearson's test; cells expected below 5 are pooled, with any output outside the support."""
-    n = sum(samples.values())
-    big = [s for s, p in dist.items() if n * p >= 5]
-    obs = [samples.get(s, 0) for s in big]
-    exp = [n * dist[s] for s in big]
-    obs.append(n - sum(obs))
-    exp.append(n - sum(exp))
-    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp) if e > 0)
-    if exp[-1] <= 0 and obs[-1] > 0:
-        return 0.0
-    return float(chi2.sf(stat, len(obs) - 1))
 
 
 @pytest.fixture(scope="module")

@@ -80,8 +80,14 @@ def test_chat_completions(oai, client, live):
 def test_openai_errors_are_400_with_message(oai):
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
-                                    max_tokens=4, n=2)
-    assert "n=1" in str(e.value)
+                                    max_tokens=4, n=0)
+    assert "n: must be an integer >= 1" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}], max_tokens=4,
+            response_format={"type": "json_schema", "json_schema": {
+                "name": "x", "schema": {"type": "integer", "minimum": 3, "maximum": 1}}})
+    assert "response_format" in str(e.value)
     with pytest.raises(openai.BadRequestError) as e:
         oai.completions.create(model="m", prompt="x", max_tokens=4, temperature=-1)
     assert "temperature" in str(e.value)

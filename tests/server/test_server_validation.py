@@ -39,12 +39,30 @@ CASES = [
      ["top_k"]),
     ("stop wrong type", "/generate", {"text": "a", "sampling_params": {"stop": 3}}, 400,
      ["sampling_params.stop"]),
-    ("n > 1", "/generate", {"text": "a", "sampling_params": {"n": 2}}, 400,
-     ["sampling_params.n", "n=1"]),
-    ("regex", "/generate", {"text": "a", "sampling_params": {"regex": "[ab]+"}}, 400,
-     ["regex", "not supported"]),
-    ("json_schema", "/generate", {"text": "a", "sampling_params": {"json_schema": "{}"}}, 400,
-     ["json_schema", "not supported"]),
+    ("n zero", "/generate", {"text": "a", "sampling_params": {"n": 0}}, 400,
+     ["sampling_params.n", ">= 1"]),
+    ("bad regex", "/generate", {"text": "a", "sampling_params": {"regex": "[ab"}}, 400,
+     ["sampling_params.regex"]),
+    ("json_schema not JSON", "/generate", {"text": "a", "sampling_params": {
+        "json_schema": "{type: object"}}, 400, ["sampling_params.json_schema", "JSON"]),
+    ("json_schema invalid", "/generate", {"text": "a", "sampling_params": {
+        "json_schema": '{"type": "object", "properties": {"a": {"type": "integer", '
+                       '"minimum": 5, "maximum": 1}}}'}}, 400,
+     ["sampling_params.json_schema"]),
+    ("bad ebnf", "/generate", {"text": "a", "sampling_params": {"ebnf": "root ::= (("}}, 400,
+     ["sampling_params.ebnf"]),
+    ("two grammars", "/generate", {"text": "a", "sampling_params": {
+        "regex": "[ab]+", "ebnf": 'root ::= "a"'}}, 400, ["sampling_params.ebnf", "only one"]),
+    ("min_new_tokens over max", "/generate", {"text": "a", "sampling_params": {
+        "max_new_tokens": 4, "min_new_tokens": 9}}, 400, ["sampling_params.min_new_tokens"]),
+    ("repetition_penalty 0", "/generate", {"text": "a", "sampling_params": {
+        "repetition_penalty": 0.0}}, 400, ["sampling_params.repetition_penalty"]),
+    ("frequency_penalty 3", "/generate", {"text": "a", "sampling_params": {
+        "frequency_penalty": 3.0}}, 400, ["sampling_params.frequency_penalty", "[-2, 2]"]),
+    ("structural_tag", "/generate", {"text": "a", "sampling_params": {
+        "structural_tag": "{}"}}, 400, ["structural_tag", "not supported"]),
+    ("min_p", "/generate", {"text": "a", "sampling_params": {"min_p": 0.1}}, 400,
+     ["sampling_params.min_p"]),
     ("tpot_slo negative", "/generate", {"text": "a", "sampling_params": {"tpot_slo": -0.03}},
      400, ["tpot_slo", "positive"]),
     ("logprob_start_len beyond prompt", "/generate", {"input_ids": [1, 2, 3],
@@ -52,8 +70,26 @@ CASES = [
     ("batch rid length", "/generate", {"text": ["a", "b"], "rid": ["x"]}, 400, ["rid"]),
     ("image input", "/generate", {"text": "a", "image_data": "x.png"}, 400, ["image_data"]),
     ("abort without rid", "/abort_request", {}, 400, ["rid"]),
-    ("completions n", "/v1/completions", {"model": "m", "prompt": "a", "n": 3}, 400,
-     ["n", "n=1"]),
+    ("completions n 0", "/v1/completions", {"model": "m", "prompt": "a", "n": 0}, 400,
+     ["n", ">= 1"]),
+    ("completions bad regex", "/v1/completions", {"model": "m", "prompt": "a",
+     "regex": "(a"}, 400, ["regex"]),
+    ("completions logprobs 30", "/v1/completions", {"model": "m", "prompt": "a",
+     "logprobs": 30}, 400, ["logprobs"]),
+    ("completions presence_penalty", "/v1/completions", {"model": "m", "prompt": "a",
+     "presence_penalty": -2.5}, 400, ["presence_penalty"]),
+    ("chat response_format type", "/v1/chat/completions", {**CHAT, "response_format": {
+        "type": "yaml"}}, 400, ["response_format", "yaml"]),
+    ("chat response_format no schema", "/v1/chat/completions", {**CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x"}}}, 400, ["response_format",
+                                                                     "schema"]),
+    ("chat response_format bad schema", "/v1/chat/completions", {**CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "string", "minLength": 9, "maxLength": 2}}}}, 400, ["response_format"]),
+    ("chat top_logprobs without logprobs", "/v1/chat/completions", {**CHAT,
+     "top_logprobs": 2}, 400, ["top_logprobs", "logprobs"]),
+    ("chat top_logprobs 21", "/v1/chat/completions", {**CHAT, "logprobs": True,
+     "top_logprobs": 21}, 400, ["top_logprobs"]),
     ("completions max_tokens 0", "/v1/completions", {"model": "m", "prompt": "a",
      "max_tokens": 0}, 400, ["max_tokens"]),
     ("completions no prompt", "/v1/completions", {"model": "m"}, 400, ["prompt"]),

@@ -26,10 +26,13 @@ def to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.reshape(*bitmask.shape[:-1], -1)[..., :vocab_size].bool()
 
 
-def apply_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+def apply_(logits: torch.Tensor, bitmask: torch.Tensor,
+           indices: list[int] | None = None) -> torch.Tensor:
     """Set forbidden tokens' logits to -inf in place. logits [R, V] float32 on CPU, bitmask
-    [R, W] int32 with W * 32 >= V (the tail bits past V are ignored)."""
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1])
+    [R, W] int32 with W * 32 >= V (the tail bits past V are ignored); indices: only these
+    rows (None: all)."""
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1],
+                                    indices=indices)
     return logits
 
 

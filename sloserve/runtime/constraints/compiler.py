@@ -24,7 +24,7 @@ import xgrammar as xgr
 
 from sloserve.runtime.constraints.byte_guard import ByteGuard
 from sloserve.runtime.constraints.spec import GrammarSpec
-from sloserve.runtime.request import InvalidRequest
+from sloserve.runtime.errors import InvalidRequest
 
 # xgrammar errors read "[12:00:00] /project/cpp/x.cc:83: Check failed: (...) is false: message"
 _LOG_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")

@@ -131,7 +131,10 @@ class GrammarState:
         k = len(drafts)
         self._reserve(k + 1)
         c = self._common_prefix(drafts)
-        self._pop(self.num_tentative - c)  # keeps rows 0..c, filled while drafting
+        # rows 0..c-1 are reused where drafting filled them; tokens pushed without reading
+        # their row first (n-gram proposals) are rolled back and pushed again below
+        c = next((j for j in range(c) if not self._have[j]), c)
+        self._pop(self.num_tentative - c)
         n_valid = c
         while n_valid < k:
             if not self._have[n_valid]:

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from sloserve.runtime.request import InvalidRequest
+from sloserve.runtime.errors import InvalidRequest
 
 GrammarKind = Literal["regex", "json_schema", "ebnf"]
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
