@@ -11,6 +11,9 @@ Specs (a name, optionally ':' and an argument):
     sglang-adaptive     SGLang EMA of accepted length with hysteresis, per batch-size range
     specserve-drafter   SpecServe adaptive drafter only (verifies all drafted)
     specserve           SpecServe adaptive drafter + confidence-prior verifier
+    specserve-slo       SpecServe held to per-request TPOT budgets (SLO + slack), not the
+                        batch's tightest SLO (policies/specserve/slo_policy.py)
+    adaserve[:D]        AdaServe's SLO-customized selection over chains of depth D (default 4)
 
 `drafter` is the draft source: "model" (a draft LLM) or "ngram" (prompt lookup; pass a
 cost model whose draft forward is ~free, e.g. ForwardCost.free()). It changes the goodput
@@ -22,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from sloserve.estimator.cost_model import CostModel
+from sloserve.policies.adaserve import AdaServePolicy
 from sloserve.policies.ar import ARPolicy
 from sloserve.policies.fixed import FixedPolicy
 from sloserve.policies.goodput import GoodputPolicy
@@ -29,6 +33,7 @@ from sloserve.policies.hf import HFHeuristicPolicy, HFThresholdPolicy
 from sloserve.policies.lut import LookupTablePolicy, default_table, parse_table
 from sloserve.policies.sglang_adaptive import SGLangAdaptivePolicy
 from sloserve.policies.specserve import SpecServePolicy
+from sloserve.policies.specserve.slo_policy import SloSpecServePolicy
 from sloserve.speculation import SpecPolicy
 
 # the baseline set of docs/design.md sec. 10; every entry is a valid spec
@@ -44,10 +49,12 @@ POLICY_NAMES: list[str] = [
     "sglang-adaptive",
     "specserve-drafter",
     "specserve",
+    "specserve-slo",
+    "adaserve",
 ]
 SPEC_GRAMMAR = (
     "ar, fixed:K, hf-heuristic[:K0], hf-threshold[:T], goodput, lut[:B=K,...], "
-    "sglang-adaptive, specserve-drafter, specserve"
+    "sglang-adaptive, specserve-drafter, specserve, specserve-slo, adaserve[:D]"
 )
 DRAFTERS = ("model", "ngram")
 
@@ -101,6 +108,16 @@ def _specserve(verifier: bool) -> Builder:
     return build
 
 
+def _specserve_slo(arg: str | None, cost: CostModel, k_max: int, drafter: str) -> SpecPolicy:
+    _no_arg("specserve-slo", arg)
+    return SloSpecServePolicy(cost, k_max)
+
+
+def _adaserve(arg: str | None, cost: CostModel, k_max: int, drafter: str) -> SpecPolicy:
+    return AdaServePolicy(cost, k_max) if arg is None else AdaServePolicy(cost, k_max,
+                                                                          depth=int(arg))
+
+
 _BUILDERS: dict[str, Builder] = {
     "ar": _ar,
     "fixed": _fixed,
@@ -111,6 +128,8 @@ _BUILDERS: dict[str, Builder] = {
     "sglang-adaptive": _sglang,
     "specserve-drafter": _specserve(False),
     "specserve": _specserve(True),
+    "specserve-slo": _specserve_slo,
+    "adaserve": _adaserve,
 }
 
 
@@ -132,6 +151,6 @@ def make_policy(spec: str, cost: CostModel, *, k_max: int, drafter: str = "model
         policy = builder(arg if sep else None, cost, k_max, drafter)
     except ValueError as err:
         raise ValueError(f"bad speculation policy {spec!r}: {err}; valid: {SPEC_GRAMMAR}") from err
-    if calibration is not None and isinstance(policy, SpecServePolicy):
+    if calibration is not None and isinstance(policy, SpecServePolicy | AdaServePolicy):
         policy.seed_calibration(calibration)
     return policy

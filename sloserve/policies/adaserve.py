@@ -1,0 +1,152 @@
+"""AdaServe's SLO-customized token selection (Li et al., "AdaServe: Accelerating Multi-SLO
+LLM Serving with SLO-Customized Speculative Decoding", arXiv 2501.12162), on chains.
+
+Source rule (the paper's speculate-select-verify pipeline): the draft model first builds a
+candidate token tree per request; every candidate token carries its path probability (the
+product of the draft's probabilities along its path), AdaServe's estimate of the chance the
+target accepts it, so the expected accepted tokens of a selection are the sum of the selected
+path probabilities. Selection then spends a per-iteration token budget (what the hardware
+verifies at little extra latency) in two phases:
+1. SLO-customized: each request needs enough expected accepted tokens this iteration to stay
+   on its TPOT SLO; per request, the highest path probabilities are taken greedily until that
+   need is met (the paper proves greedy by path probability optimal for a probability target
+   under a budget; when the needs exceed the budget, not all can be met).
+2. Throughput-optimized: the rest of the budget goes to the candidates with the highest path
+   probability across all requests.
+Then one verify forward checks the selected tokens.
+
+Here (our adaptation; the paper builds trees and its text is not in this repository):
+- chains, not trees: every request drafts `depth` tokens greedily (topk 1), so its
+  candidates are positions 1..depth and the selected tokens are always a prefix;
+- path probability = the calibrated chain probability P_{r,j} = prod g(c) (docs/design.md
+  sec. 3), the same map specserve uses, learned online from the verify outcomes;
+- the need of request r with TPOT SLO s_r, after `elapsed_r` decode seconds and `tokens_r`
+  tokens (request_clock.py), for a step predicted to take T (the cost model, everything
+  drafted verified): emit (elapsed_r + T) / s_r - tokens_r tokens, i.e. expected accepted
+  draft tokens need_r = that - 1 (the verify's own token);
+- phase 1 when the budget cannot meet every need: candidates of unmet needs in descending
+  path probability until the budget is spent (the greedy rule across requests);
+- the token budget (total query tokens of the verify forward, the B bonus rows included):
+  the target's roofline knee q0 when profiled, else c_t / b_t (where the forward's compute
+  equals its fixed weight-read cost); `adaserve:D` sets the depth D (default 4).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sloserve.estimator.acceptance import ConfidenceCalibrator, chain_probs
+from sloserve.estimator.cost_model import CostModel
+from sloserve.estimator.step_time import StepTimer
+from sloserve.policies.request_clock import RequestClock
+from sloserve.speculation import SpecPlan, SpecPolicy, StepInfo, VerifyOutcome
+
+ADASERVE_DEPTH = 4
+
+
+def default_token_budget(cost: CostModel) -> int:
+    """Verify query tokens per iteration: the target's knee, else where b_t N = c_t."""
+    t = cost.target
+    if t.q0 > 0.0:
+        return max(1, int(t.q0))
+    if t.b <= 0.0:
+        return 1 << 20  # free tokens: no budget binds
+    return max(1, int(t.c / t.b))
+
+
+def select_tokens(P: np.ndarray, drafted: np.ndarray, need: np.ndarray,
+                  budget: int) -> np.ndarray:
+    """[B] tokens each request verifies: phase 1 meets the needs by path probability, phase 2
+    spends what is left of `budget` (draft tokens) on the highest path probabilities.
+
+    P: [B, s] path probabilities (non-increasing along a row); drafted: [B] valid positions;
+    need: [B] expected accepted tokens wanted (<= 0: none)."""
+    B, s = P.shape
+    drafted = np.asarray(drafted, dtype=np.int64)
+    k = np.zeros(B, dtype=np.int64)
+    if B == 0 or s == 0 or budget <= 0:
+        return k
+    pos = np.arange(s)
+    valid = pos[None, :] < drafted[:, None]  # [B, s]
+    Pv = np.where(valid, P, 0.0)
+    # the fewest leading tokens whose path probabilities reach the need (all if none does)
+    cum = np.cumsum(Pv, axis=1)
+    reach = (cum >= np.asarray(need, dtype=np.float64)[:, None]) & valid
+    first = np.where(reach.any(axis=1), reach.argmax(axis=1) + 1, drafted)
+    first = np.where(np.asarray(need) > 0.0, first, 0)
+    left = budget
+    for phase in (valid & (pos[None, :] < first[:, None]), valid):
+        cand = phase & (pos[None, :] >= k[:, None])
+        rows, cols = np.nonzero(cand)  # row-major: within a row in position order
+        if rows.size == 0 or left <= 0:
+            continue
+        order = np.argsort(-Pv[rows, cols], kind="stable")[:left]
+        taken = np.bincount(rows[order], minlength=B)
+        k += taken
+        left -= int(taken.sum())
+    return k
+
+
+class AdaServePlan(SpecPlan):
+    """Draft `depth` tokens each, then select what to verify (select_tokens)."""
+
+    def __init__(self, step: StepInfo, policy: AdaServePolicy, depth: int) -> None:
+        self.step = step
+        self.policy = policy
+        self.depth = depth
+        self.drafting = np.full(step.batch_size, depth > 0)
+
+    def extend(self, confidences: np.ndarray, drafting: np.ndarray) -> np.ndarray:
+        return drafting & (confidences.shape[1] < self.depth)
+
+    def verify_lengths(self, confidences: np.ndarray, drafted: np.ndarray) -> np.ndarray:
+        drafted = np.asarray(drafted, dtype=np.int64)
+        if confidences.shape[1] == 0 or not np.count_nonzero(drafted):
+            return drafted.copy()
+        pol, step = self.policy, self.step
+        P = chain_probs(pol.g(np.asarray(confidences, dtype=np.float64)))
+        predicted = StepTimer(pol.cost, step).plan(drafted, drafted)
+        need = pol.needs(step, predicted)
+        budget = pol.token_budget - step.batch_size - step.prefill_tokens
+        return select_tokens(P, drafted, need, budget)
+
+
+class AdaServePolicy(SpecPolicy):
+    """AdaServe's two-phase selection over greedy draft chains (see the module docstring)."""
+
+    name = "adaserve"
+
+    def __init__(self, cost: CostModel, k_max: int, *, depth: int = ADASERVE_DEPTH,
+                 token_budget: int | None = None,
+                 calibrator: ConfidenceCalibrator | None = None) -> None:
+        if k_max < 0 or depth < 0:
+            raise ValueError(f"k_max and depth must be >= 0, got {k_max}, {depth}")
+        self.cost = cost
+        self.k_max = k_max
+        self.depth = min(depth, k_max)
+        self.token_budget = default_token_budget(cost) if token_budget is None else token_budget
+        self.g = calibrator or ConfidenceCalibrator()
+        self.clock = RequestClock()
+
+    def seed_calibration(self, counts: np.ndarray) -> None:
+        self.g.seed(counts)
+
+    def needs(self, step: StepInfo, step_time: float) -> np.ndarray:
+        """[B] expected accepted draft tokens each request needs from a step of
+        `step_time` seconds to be on its TPOT SLO after it (0 without an SLO)."""
+        elapsed, tokens = self.clock.progress(step.request_ids)
+        slo = np.asarray(step.tpot_slo, dtype=np.float64)
+        need = (elapsed + step_time) / slo - tokens - 1.0  # inf SLO: -tokens - 1 <= -1
+        return np.maximum(need, 0.0)
+
+    def plan(self, step: StepInfo) -> SpecPlan:
+        self.clock.track(step.request_ids)
+        return AdaServePlan(step, self, max(0, min(self.depth, step.k_max)))
+
+    def observe(self, plan: SpecPlan, outcome: VerifyOutcome) -> None:
+        self.g.update(outcome.confidences, outcome.verified, outcome.accepted)
+        self.clock.record(plan.step.request_ids, outcome.step_time,
+                          np.asarray(outcome.accepted) + 1)
+
+    def release(self, request_id: str) -> None:
+        self.clock.release(request_id)

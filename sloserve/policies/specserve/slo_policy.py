@@ -1,0 +1,59 @@
+"""specserve-slo: SpecServe with per-request TPOT budgets instead of the batch's tightest SLO.
+
+Each step, every request's budget (budgets.py) comes from its own SLO and the slack it has
+accumulated (request_clock.py); requests no plan can keep this step bind nothing; the plan is
+SpecServe's (adaptive drafter, confidence-prior verifier, SLO guard, online costs) held to the
+smallest remaining budget, so the seconds the binding requests allow go to tokens per second.
+With one SLO for all and no slack yet it plans exactly as specserve.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from sloserve.estimator.cost_model import CostModel
+from sloserve.estimator.step_time import StepTimer
+from sloserve.policies.request_clock import RequestClock
+from sloserve.policies.specserve.budgets import SLACK_SHARE, step_budgets
+from sloserve.policies.specserve.policy import SpecServePolicy
+from sloserve.speculation import SpecPlan, StepInfo, VerifyOutcome
+
+
+class SloSpecServePolicy(SpecServePolicy):
+    """SpecServe held to per-request budgets (SLO + slack), not the tightest SLO."""
+
+    def __init__(self, cost: CostModel, k_max: int, *, slack_share: float = SLACK_SHARE,
+                 **kwargs: Any) -> None:
+        super().__init__(cost, k_max, **kwargs)
+        if not 0.0 <= slack_share <= 1.0:
+            raise ValueError(f"slack_share must be in [0, 1], got {slack_share}")
+        self.name = "specserve-slo"
+        self.slack_share = slack_share
+        self.clock = RequestClock()
+
+    def budgets(self, step: StepInfo) -> np.ndarray:
+        """[B] this step's per-request budgets in seconds (inf: binds nothing)."""
+        slo = np.asarray(step.tpot_slo, dtype=np.float64)
+        if not np.isfinite(slo).any():
+            return slo.copy()
+        plain = StepTimer(self._current_prices().cost, step).plain * self.guard.scale
+        return step_budgets(slo, self.clock.slack(step.request_ids, slo), plain,
+                            self.slack_share)
+
+    def plan(self, step: StepInfo) -> SpecPlan:
+        self.clock.track(step.request_ids)
+        if step.batch_size == 0:
+            return super().plan(step)
+        return super().plan(replace(step, tpot_slo=self.budgets(step)))
+
+    def observe(self, plan: SpecPlan, outcome: VerifyOutcome) -> None:
+        super().observe(plan, outcome)
+        self.clock.record(plan.step.request_ids, outcome.step_time,
+                          np.asarray(outcome.accepted) + 1)
+
+    def release(self, request_id: str) -> None:
+        super().release(request_id)
+        self.clock.release(request_id)

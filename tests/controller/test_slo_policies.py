@@ -1,0 +1,141 @@
+"""The SLO-customized policies: specserve-slo's per-request budgets and AdaServe's selection."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sloserve.bench.synthetic import SyntheticWorkload, cpu_cost_model, drive_step, make_step
+from sloserve.estimator.step_time import StepTimer
+from sloserve.policies.adaserve import AdaServePolicy, default_token_budget, select_tokens
+from sloserve.policies.registry import make_policy
+from sloserve.policies.request_clock import RequestClock
+from sloserve.policies.specserve import SpecServePolicy
+from sloserve.policies.specserve.budgets import step_budgets
+from sloserve.policies.specserve.slo_policy import SloSpecServePolicy
+from sloserve.speculation import VerifyOutcome
+
+COST = cpu_cost_model()
+INF = np.inf
+
+
+def plain_outcome(B: int, step_time: float, accepted=None) -> VerifyOutcome:
+    z = np.zeros(B, dtype=np.int64)
+    acc = z if accepted is None else np.asarray(accepted, dtype=np.int64)
+    return VerifyOutcome(z, acc, acc, np.zeros((B, 0)), step_time, 0.0)
+
+
+# ----- the request clock
+def test_clock_slack_and_release():
+    clock = RequestClock()
+    clock.track(["a", "b"])
+    clock.record(["a", "b"], 0.05, np.array([3, 1]))  # a: 3 tokens in 50 ms, b: 1
+    slack = clock.slack(["a", "b", "c"], np.array([0.03, 0.03, INF]))
+    np.testing.assert_allclose(slack, [0.09 - 0.05, 0.03 - 0.05, INF])
+    clock.release("a")
+    clock.record(["a"], 1.0, np.array([1]))  # feedback after release: not brought back
+    assert len(clock) == 1
+    np.testing.assert_allclose(clock.progress(["a"])[0], [0.0])
+
+
+# ----- budgets
+def test_budgets_spend_a_share_of_slack_and_all_of_a_deficit():
+    b = step_budgets(np.array([0.05, 0.05, INF]), np.array([0.2, -0.01, INF]), plain_time=0.02,
+                     share=0.5)
+    np.testing.assert_allclose(b, [0.05 + 0.1, 0.04, INF])
+
+
+def test_a_request_no_plan_can_keep_binds_nothing():
+    b = step_budgets(np.array([0.01, 0.05]), np.array([0.0, 0.0]), plain_time=0.02)
+    assert b[0] == INF and b[1] == pytest.approx(0.05)
+    # behind by more than plain leaves: the same
+    b = step_budgets(np.array([0.05]), np.array([-0.04]), plain_time=0.02)
+    assert b[0] == INF
+
+
+def test_slo_policy_plans_like_specserve_on_one_slo_without_history():
+    """One SLO, every request new: the budgets are the SLO, so the decisions are specserve's."""
+    rng_a, rng_b = np.random.default_rng(3), np.random.default_rng(3)
+    base, slo = SpecServePolicy(COST, 8), SloSpecServePolicy(COST, 8)
+    step = make_step(12, slo=0.5, ids=[f"n{i}" for i in range(12)])
+    mean = np.full(12, 0.8)
+    out_a = drive_step(base, step, SyntheticWorkload(rng_a), mean)
+    out_b = drive_step(slo, step, SyntheticWorkload(rng_b), mean)
+    np.testing.assert_array_equal(out_a.drafted, out_b.drafted)
+    np.testing.assert_array_equal(out_a.verified, out_b.verified)
+    assert out_a.drafted.any()  # the comparison says something: both speculate
+
+
+def test_a_hopeless_tight_request_does_not_turn_speculation_off_for_the_batch():
+    """Seven loose requests and one whose SLO is below the plain step: specserve plans no
+    speculation for anyone; specserve-slo lets the loose ones bind and speculates."""
+    slos = np.array([1e-3] + [1.0] * 7)
+    step = make_step(8, slo=slos)
+    plain = StepTimer(COST, step).plain
+    assert slos[0] < plain < slos[1]
+    base = SpecServePolicy(COST, 8, prior=0.9)
+    custom = SloSpecServePolicy(COST, 8, prior=0.9)
+    assert not base.plan(step).drafting.any()
+    assert custom.plan(step).drafting.any()
+
+
+def test_slack_lets_a_request_allow_a_longer_step():
+    policy = SloSpecServePolicy(COST, 8)
+    step = make_step(2, slo=np.array([0.5, 0.5]), ids=["fast", "new"])
+    policy.plan(step)
+    policy.observe(policy.plan(step), plain_outcome(2, 0.1))  # 1 token in 0.1 s: 0.4 s ahead
+    budgets = policy.budgets(step)
+    assert budgets[0] == pytest.approx(0.5 + policy.slack_share * 0.4)
+    assert budgets[1] == pytest.approx(0.5 + policy.slack_share * 0.4)
+    policy.release("fast")
+    policy.plan(step)  # "fast" is new again
+    assert policy.budgets(step)[0] == pytest.approx(0.5)
+
+
+# ----- AdaServe's selection
+def test_selection_meets_needs_first_then_highest_path_probability():
+    P = np.array([[0.9, 0.8, 0.7, 0.6],    # tight request: needs 2.0 expected tokens
+                  [0.99, 0.98, 0.97, 0.96]])  # loose: better tokens, no need
+    k = select_tokens(P, np.array([4, 4]), need=np.array([2.0, 0.0]), budget=3)
+    # phase 1 takes the tight request's first 3 (0.9 + 0.8 < 2 <= + 0.7); the budget is spent
+    np.testing.assert_array_equal(k, [3, 0])
+    # a throughput-only selection (no needs) takes the loose request's tokens
+    np.testing.assert_array_equal(select_tokens(P, np.array([4, 4]), np.zeros(2), 3), [0, 3])
+    # with budget to spare, phase 2 takes the highest path probabilities left
+    np.testing.assert_array_equal(select_tokens(P, np.array([4, 4]), np.array([2.0, 0.0]), 6),
+                                  [3, 3])
+
+
+def test_selection_respects_drafted_lengths_and_keeps_prefixes():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        B, s = int(rng.integers(1, 10)), int(rng.integers(1, 8))
+        P = np.cumprod(rng.uniform(0.3, 1.0, (B, s)), axis=1)
+        drafted = rng.integers(0, s + 1, B)
+        need = rng.uniform(-1.0, 4.0, B)
+        budget = int(rng.integers(0, B * s + 2))
+        k = select_tokens(P, drafted, need, budget)
+        assert np.all((0 <= k) & (k <= drafted))
+        assert k.sum() == min(budget, drafted.sum())  # the budget is spent when tokens remain
+
+
+def test_adaserve_needs_follow_the_clock():
+    policy = AdaServePolicy(COST, 8)
+    step = make_step(2, slo=np.array([0.1, 0.1]), ids=["on", "late"])
+    policy.plan(step)
+    policy.clock.record(["on"], 1.0, np.array([10]))  # 10 tokens in 1 s: on its SLO
+    policy.clock.record(["late"], 2.0, np.array([10]))  # 10 tokens in 2 s: 1 s behind
+    need = policy.needs(step, 0.1)
+    np.testing.assert_allclose(need, [0.0, 10.0])  # (2.1 / 0.1) - 10 - 1
+    no_slo = make_step(1, ids=["on"])
+    assert policy.needs(no_slo, 0.1)[0] == 0.0
+
+
+def test_adaserve_drafts_its_depth_and_verifies_within_the_budget():
+    policy = make_policy("adaserve:3", COST, k_max=8)
+    assert isinstance(policy, AdaServePolicy) and policy.depth == 3
+    step = make_step(40, slo=0.2)
+    out = drive_step(policy, step, SyntheticWorkload(np.random.default_rng(1)), np.full(40, 0.7))
+    assert out.drafted.max() == 3
+    assert 40 + out.verified.sum() <= max(policy.token_budget, 40)
+    assert default_token_budget(COST) == int(COST.target.c / COST.target.b)
