@@ -11,7 +11,7 @@ from sloserve.policies.adaserve import AdaServePolicy, default_token_budget, sel
 from sloserve.policies.registry import make_policy
 from sloserve.policies.request_clock import RequestClock
 from sloserve.policies.specserve import SpecServePolicy
-from sloserve.policies.specserve.budgets import step_budgets
+from sloserve.policies.specserve.budgets import expected_allowance, step_budgets
 from sloserve.policies.specserve.slo_policy import SloSpecServePolicy
 from sloserve.speculation import VerifyOutcome
 
@@ -53,17 +53,27 @@ def test_a_request_no_plan_can_keep_binds_nothing():
     assert b[0] == INF
 
 
-def test_slo_policy_plans_like_specserve_on_one_slo_without_history():
-    """One SLO, every request new: the budgets are the SLO, so the decisions are specserve's."""
-    rng_a, rng_b = np.random.default_rng(3), np.random.default_rng(3)
-    base, slo = SpecServePolicy(COST, 8), SloSpecServePolicy(COST, 8)
-    step = make_step(12, slo=0.5, ids=[f"n{i}" for i in range(12)])
+def test_allowance_scales_a_budget_by_one_plus_predicted_acceptance():
+    a = expected_allowance(np.array([0.05, INF, 0.05]), np.array([0.6, 0.9, 1.3]))
+    np.testing.assert_allclose(a, [0.08, INF, 0.10])  # acceptance clipped to [0, 1]
+
+
+def test_slo_policy_allows_longer_steps_than_specserve_on_one_slo():
+    """One SLO, every request new: specserve holds the step to the SLO (one token each in the
+    worst case); specserve-slo allows SLO * (1 + prior), the step within which each request's
+    expected TPOT stays within its SLO, so it drafts at least as deep and here deeper."""
+    step = make_step(12, slo=0.2, ids=[f"n{i}" for i in range(12)])
+    timer = StepTimer(COST, step)
+    # the SLO binds specserve (its guard halves it until steps are measured) below k = 2
+    assert timer.uniform(8)[1] < 0.2 / 2 < timer.uniform(8)[2] < 0.2 * 1.8 / 2
+    slo = SloSpecServePolicy(COST, 8, prior=0.8)
+    np.testing.assert_allclose(slo.budgets(step), 0.2 * 1.8)
     mean = np.full(12, 0.8)
-    out_a = drive_step(base, step, SyntheticWorkload(rng_a), mean)
-    out_b = drive_step(slo, step, SyntheticWorkload(rng_b), mean)
-    np.testing.assert_array_equal(out_a.drafted, out_b.drafted)
-    np.testing.assert_array_equal(out_a.verified, out_b.verified)
-    assert out_a.drafted.any()  # the comparison says something: both speculate
+    out_base = drive_step(SpecServePolicy(COST, 8, prior=0.8), step,
+                          SyntheticWorkload(np.random.default_rng(3)), mean)
+    out_slo = drive_step(slo, step, SyntheticWorkload(np.random.default_rng(3)), mean)
+    assert out_base.drafted.any()  # the comparison says something: both speculate
+    assert out_slo.drafted.sum() > out_base.drafted.sum()
 
 
 def test_a_hopeless_tight_request_does_not_turn_speculation_off_for_the_batch():
@@ -85,11 +95,11 @@ def test_slack_lets_a_request_allow_a_longer_step():
     policy.plan(step)
     policy.observe(policy.plan(step), plain_outcome(2, 0.1))  # 1 token in 0.1 s: 0.4 s ahead
     budgets = policy.budgets(step)
-    assert budgets[0] == pytest.approx(0.5 + policy.slack_share * 0.4)
-    assert budgets[1] == pytest.approx(0.5 + policy.slack_share * 0.4)
+    expected_tokens = 1.0 + policy.history.values[policy.history.slots(["fast", "new"], 0.0)]
+    np.testing.assert_allclose(budgets, (0.5 + policy.slack_share * 0.4) * expected_tokens)
     policy.release("fast")
     policy.plan(step)  # "fast" is new again
-    assert policy.budgets(step)[0] == pytest.approx(0.5)
+    assert policy.budgets(step)[0] == pytest.approx(0.5 * (1.0 + policy.prior))
 
 
 # ----- AdaServe's selection

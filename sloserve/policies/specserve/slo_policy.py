@@ -1,10 +1,11 @@
 """specserve-slo: SpecServe with per-request TPOT budgets instead of the batch's tightest SLO.
 
 Each step, every request's budget (budgets.py) comes from its own SLO and the slack it has
-accumulated (request_clock.py); requests no plan can keep this step bind nothing; the plan is
-SpecServe's (adaptive drafter, confidence-prior verifier, SLO guard, online costs) held to the
-smallest remaining budget, so the seconds the binding requests allow go to tokens per second.
-With one SLO for all and no slack yet it plans exactly as specserve.
+accumulated (request_clock.py); requests no plan can keep this step bind nothing; a binding
+request allows a step of budget * (1 + its predicted acceptance), which keeps its expected
+TPOT within the budget; the plan is SpecServe's (adaptive drafter, confidence-prior verifier,
+SLO guard, online costs) held to the smallest allowance, so the seconds the binding requests
+allow go to tokens per second.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 from sloserve.estimator.cost_model import CostModel
 from sloserve.estimator.step_time import StepTimer
 from sloserve.policies.request_clock import RequestClock
-from sloserve.policies.specserve.budgets import SLACK_SHARE, step_budgets
+from sloserve.policies.specserve.budgets import SLACK_SHARE, expected_allowance, step_budgets
 from sloserve.policies.specserve.policy import SpecServePolicy
 from sloserve.speculation import SpecPlan, StepInfo, VerifyOutcome
 
@@ -35,13 +36,15 @@ class SloSpecServePolicy(SpecServePolicy):
         self.clock = RequestClock()
 
     def budgets(self, step: StepInfo) -> np.ndarray:
-        """[B] this step's per-request budgets in seconds (inf: binds nothing)."""
+        """[B] the step time each request allows this step, in seconds (inf: binds nothing)."""
         slo = np.asarray(step.tpot_slo, dtype=np.float64)
         if not np.isfinite(slo).any():
             return slo.copy()
         plain = StepTimer(self._current_prices().cost, step).plain * self.guard.scale
-        return step_budgets(slo, self.clock.slack(step.request_ids, slo), plain,
-                            self.slack_share)
+        budget = step_budgets(slo, self.clock.slack(step.request_ids, slo), plain,
+                              self.slack_share)
+        predicted = self.history.values[self.history.slots(step.request_ids, fill=self.prior)]
+        return expected_allowance(budget, predicted)
 
     def plan(self, step: StepInfo) -> SpecPlan:
         self.clock.track(step.request_ids)
