@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import logging
 import math
-import re
 import signal
 import sys
 from pathlib import Path
@@ -25,20 +24,9 @@ from pathlib import Path
 from sloserve.runtime.config import EngineConfig
 from sloserve.runtime.scheduler import SchedulerConfig
 from sloserve.sglang_ext.http_options import HTTPOptions
+from sloserve.units import duration
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s)?\s*$")
 _ENGINE, _SCHED, _HTTP = EngineConfig(), SchedulerConfig(), HTTPOptions()
-
-
-def duration(text: str) -> float:
-    """Seconds from '30ms', '0.03s' or '30' (a bare number is milliseconds)."""
-    m = _DURATION.match(text)
-    value = float(m.group(1)) if m else math.nan
-    if not m or not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(
-            f"invalid duration {text!r}: use a positive number with ms or s, e.g. 30ms, "
-            "0.03s, or 30 (= milliseconds)")
-    return value if m.group(2) == "s" else value / 1000.0
 
 
 def _int_in(lo: int, hi: int | None = None):
@@ -93,7 +81,7 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m sloserve.launch", description=__doc__.split("\n")[0],
-        formatter_class=_Help)
+        formatter_class=_Help, allow_abbrev=False)
     p.add_argument("--engine", choices=("auto", "builtin", "sglang"), default="auto",
                    help="builtin: sloserve's own engine; sglang: SGLang's server with "
                    "sloserve's SPECSERVE algorithm (needs SGLang's runtime: see README; "
@@ -116,10 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--k-max", type=_int_in(0, 32), default=_ENGINE.k_max,
                    help="most draft tokens per request per step")
     s.add_argument("--tpot-slo", type=duration, default=None,
-                   help="default time-per-output-token SLO of requests without their own: "
-                        "30ms, 0.03s or 30 (= ms)")
+                   help="default time-per-output-token SLO of requests without their own, with "
+                        "its unit: 30ms or 0.03s (a request's own: tpot_slo, in seconds)")
     s.add_argument("--ttft-slo", type=duration, default=None,
-                   help="default time-to-first-token SLO, same units as --tpot-slo")
+                   help="default time-to-first-token SLO, with its unit: 500ms or 0.5s")
     e = p.add_argument_group("engine")
     e.add_argument("--max-running-requests", type=_int_in(1), default=_SCHED.max_running_requests,
                    help="most requests decoding at once")

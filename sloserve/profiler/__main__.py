@@ -19,7 +19,9 @@ from sloserve.profiler.measure import FULL, QUICK, build_profile
 
 
 def main(argv=None) -> Path:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False)
     ap.add_argument("--model-path", default=None, help="target model directory (default: built-in)")
     ap.add_argument("--draft-model-path", default=None, help="draft model directory (default: built-in)")
     ap.add_argument("--drafter", default="model", choices=["model", "ngram"])

@@ -26,6 +26,7 @@ from sloserve.sglang_plugin.cpu_server import (
     server_command,
     server_env,
 )
+from sloserve.units import duration
 
 SGLANG_VERSION = "0.5.23"
 POLICIES = ("specserve", "specserve-drafter", "ar")
@@ -41,8 +42,6 @@ def sglang_runtime_available() -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from sloserve.launch import duration
-
     p = argparse.ArgumentParser(
         prog="python -m sloserve.launch --engine sglang", allow_abbrev=False,
         description="SGLang's server with sloserve's SPECSERVE speculation; options not "
