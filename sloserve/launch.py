@@ -21,6 +21,7 @@ import signal
 import sys
 from pathlib import Path
 
+from sloserve.listen import ListenError, bind
 from sloserve.runtime.config import EngineConfig
 from sloserve.runtime.scheduler import SchedulerConfig
 from sloserve.sglang_ext.http_options import HTTPOptions
@@ -198,10 +199,10 @@ def _check_policy(parser, spec: str, k_max: int, drafter: str) -> None:
         parser.error(f"argument --spec-policy: {e}")
 
 
-async def _serve(server, host: str, state) -> int:
-    """Serve until a signal (exit status 0) or until the engine stops for good (1, so that a
-    supervisor restarts the server: /health already answers 503 then)."""
-    task = asyncio.create_task(server.serve())
+async def _serve(server, sock, host: str, state) -> int:
+    """Serve on the bound socket until a signal (exit status 0) or until the engine stops for
+    good (1, so that a supervisor restarts the server: /health already answers 503 then)."""
+    task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
     if server.started:
@@ -259,6 +260,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_from_args(parser, args)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:  # before the models load: a busy port is one line now, not a traceback later
+        sock = bind(args.host, args.port)
+    except ListenError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     import uvicorn
 
     from sloserve.runtime.engine import Engine
@@ -269,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(cfg)
     except (ValueError, OSError) as e:  # ModelLoadError is a ValueError
         print(f"error: cannot start the engine: {e}", file=sys.stderr)
+        sock.close()
         return 1
     opts = http_options(args)
     app = create_app(engine, args.served_model_name, opts)
@@ -280,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     # handler that was installed before it: make that one a no-op so that we exit 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    status = asyncio.run(_serve(server, args.host, app.state.serving))
+    status = asyncio.run(_serve(server, sock, args.host, app.state.serving))
     print("sloserve stopped" if status == 0 else "sloserve stopped: the engine failed",
           flush=True)
     return status

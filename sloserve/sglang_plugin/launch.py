@@ -18,6 +18,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from sloserve.listen import ListenError, check_free
 from sloserve.sglang_plugin import settings
 from sloserve.sglang_plugin.cpu_server import (
     CPUServerConfig,
@@ -98,6 +99,12 @@ def sglang_args(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
 
 
 def main(argv: Sequence[str]) -> int:
+    args, _ = build_parser().parse_known_args(list(argv))
+    try:  # SGLang binds its own socket, after loading the models: check the port first
+        check_free(args.host, args.port)
+    except ListenError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if not sglang_runtime_available():
         print("error: --engine sglang needs SGLang's runtime (sglang==0.5.23) in this "
               "python; create its environment with `bash scripts/sglang_runtime_env.sh` and "
