@@ -70,6 +70,15 @@ def _existing_dir(text: str) -> str:
     return text
 
 
+def _chat_template(text: str) -> str:
+    from sloserve.runtime.chat_template import load_chat_template
+
+    try:
+        return load_chat_template(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
     """Shows defaults, except None ones (their help says what happens)."""
 
@@ -96,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--drafter", choices=("model", "ngram", "none"), default=None,
                    help="draft source: a draft model, model-free n-gram prompt lookup, or no "
                         "speculation (default: model)")
+    m.add_argument("--tokenizer-path", type=_existing_dir, default=None,
+                   help="tokenizer directory (default: the target model's)")
+    m.add_argument("--chat-template", type=_chat_template, default=None,
+                   help="Jinja chat template for /v1/chat/completions, a file path or the "
+                   "template itself (default: the tokenizer's own)")
     m.add_argument("--served-model-name", default=None,
                    help="model id in /v1/models and responses (default: the directory name)")
     s = p.add_argument_group("speculation and SLOs")
@@ -184,6 +198,7 @@ def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         attention_backend=args.attention_backend, device=args.device, dtype=args.dtype,
         profile_path=args.profile_path, seed=args.seed, num_threads=args.num_threads,
         constrained_json_disable_any_whitespace=args.constrained_json_disable_any_whitespace,
+        tokenizer_path=args.tokenizer_path, chat_template=args.chat_template,
     )
 
 
