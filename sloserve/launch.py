@@ -19,6 +19,7 @@ import logging
 import math
 import signal
 import sys
+import time
 from pathlib import Path
 
 from sloserve.listen import ListenError, bind
@@ -286,8 +287,13 @@ def main(argv: list[str] | None = None) -> int:
     from sloserve.sglang_ext.app import create_app
     from sloserve.sglang_ext.http_protocol import with_header_timeout
 
+    log = logging.getLogger("sloserve.launch")
+    log.info("starting the engine (the first start builds the built-in pair and compiles the "
+             "CPU kernels)" if cfg.model_path is None else "starting the engine")
+    t0 = time.perf_counter()
     try:
         engine = Engine(cfg)
+        log.info("engine started in %.1f s", time.perf_counter() - t0)
     except (ValueError, OSError) as e:  # ModelLoadError is a ValueError
         print(f"error: cannot start the engine: {e}", file=sys.stderr)
         sock.close()
