@@ -190,7 +190,7 @@ def ensure_pair(root: Path, **build_kwargs) -> tuple[Path, Path]:
         return target, draft
     root.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=root.parent))
-    log.info("building the model pair in %s (first start only; about 10 s)", root)
+    log.info("building the model pair in %s (first start only; a few seconds)", root)
     t0 = time.perf_counter()
     try:
         build_pair(staging / "pair", **build_kwargs)
