@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from sloserve.estimator.profile_file import profile_path, write_profile
-from sloserve.profiler.estimate import estimate
+from sloserve.profiler.estimate import estimate, probe
 from sloserve.profiler.measure import FULL, QUICK, build_profile, grid_points
 from sloserve.profiler.placement import place
 
@@ -52,10 +52,12 @@ def main(argv=None) -> Path:
     ))
     full = args.full or (not args.quick and eng.cfg.device != "cpu")
     grid = FULL if full else QUICK
-    points = grid_points(grid, eng.parts.allocator)
+    parts = eng.parts
+    points = grid_points(grid, parts.allocator)
+    t_probe = probe(parts.target, parts.allocator, points)
+    d_probe = probe(parts.draft, parts.allocator, points) if parts.draft is not None else None
     print(f"profiling ({'full' if full else 'quick'} mode): "
-          f"{estimate(grid, points, eng.parts.cost, eng.parts.draft is not None).line()}",
-          flush=True)
+          f"{estimate(grid, points, t_probe, d_probe).line()}", flush=True)
     t0 = time.perf_counter()
     profile, samples = build_profile(eng, grid, "full" if full else "quick")
     for name, m in (("target", profile.target), ("draft", profile.draft)):
