@@ -5,7 +5,8 @@ sloserve's options are taken here and turned into SGLang's: the model pair (the 
 when none is given), `--tpot-slo` (the default SLO of the SPECSERVE controller),
 `--spec-policy` (specserve, specserve-drafter, or ar: SGLang without speculation, the
 reference), `--k-max` (the most draft steps per batch), `--host`, `--port`. Every other
-option goes to SGLang unchanged. On a machine without CUDA the CPU engine's flags and the
+option (`--chat-template`, `--tokenizer-path`, `--api-key`, ...) goes to SGLang unchanged;
+none is abbreviated, and a busy port is an error before anything loads. On a machine without CUDA the CPU engine's flags and the
 sgl_kernel stand-in are added (cpu_server.py). Must run in a python with SGLang's runtime
 installed (scripts/sglang_runtime_env.sh prints one); the process is replaced by SGLang's.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -110,6 +112,9 @@ def main(argv: Sequence[str]) -> int:
               "python; create its environment with `bash scripts/sglang_runtime_env.sh` and "
               "run with the python it prints last", file=sys.stderr)
         return 2
+    # the first start builds the built-in pair: let its log lines (and their times) show
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
+                        "%(message)s")
     cmd, env = sglang_args(argv)
     print("sloserve: starting SGLang:", " ".join(cmd[1:]), flush=True)
     os.execve(cmd[0], cmd, env)
