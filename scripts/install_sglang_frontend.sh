@@ -24,6 +24,11 @@ PY
 if check 2>/dev/null; then
     exit 0
 fi
-"$PYTHON" -m pip install --no-deps "sglang==${SGLANG_VERSION}"
+# The frontend's own dependencies first, sglang itself last with --no-deps: pip checks the
+# installed packages for unmet requirements after an install with dependencies, and would
+# print sglang's server-runtime requirements (torch, CUDA packages: deliberately absent) as a
+# red "ERROR: pip's dependency resolver ..." block although everything worked; an install with
+# --no-deps makes no such check.
 "$PYTHON" -m pip install "pybase64==1.5.1" "aiohttp==3.14.5" "requests>=2.31" "ipython>=8.12"
+"$PYTHON" -m pip install --no-deps "sglang==${SGLANG_VERSION}"
 check

@@ -17,28 +17,18 @@ import argparse
 import asyncio
 import logging
 import math
-import re
 import signal
 import sys
+import time
 from pathlib import Path
 
+from sloserve.listen import ListenError, bind
 from sloserve.runtime.config import EngineConfig
 from sloserve.runtime.scheduler import SchedulerConfig
 from sloserve.sglang_ext.http_options import HTTPOptions
+from sloserve.units import duration
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s)?\s*$")
 _ENGINE, _SCHED, _HTTP = EngineConfig(), SchedulerConfig(), HTTPOptions()
-
-
-def duration(text: str) -> float:
-    """Seconds from '30ms', '0.03s' or '30' (a bare number is milliseconds)."""
-    m = _DURATION.match(text)
-    value = float(m.group(1)) if m else math.nan
-    if not m or not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(
-            f"invalid duration {text!r}: use a positive number with ms or s, e.g. 30ms, "
-            "0.03s, or 30 (= milliseconds)")
-    return value if m.group(2) == "s" else value / 1000.0
 
 
 def _int_in(lo: int, hi: int | None = None):
@@ -81,6 +71,15 @@ def _existing_dir(text: str) -> str:
     return text
 
 
+def _chat_template(text: str) -> str:
+    from sloserve.runtime.chat_template import load_chat_template
+
+    try:
+        return load_chat_template(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
     """Shows defaults, except None ones (their help says what happens)."""
 
@@ -93,7 +92,7 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m sloserve.launch", description=__doc__.split("\n")[0],
-        formatter_class=_Help)
+        formatter_class=_Help, allow_abbrev=False)
     p.add_argument("--engine", choices=("auto", "builtin", "sglang"), default="auto",
                    help="builtin: sloserve's own engine; sglang: SGLang's server with "
                    "sloserve's SPECSERVE algorithm (needs SGLang's runtime: see README; "
@@ -107,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--drafter", choices=("model", "ngram", "none"), default=None,
                    help="draft source: a draft model, model-free n-gram prompt lookup, or no "
                         "speculation (default: model)")
+    m.add_argument("--tokenizer-path", type=_existing_dir, default=None,
+                   help="tokenizer directory (default: the target model's)")
+    m.add_argument("--chat-template", type=_chat_template, default=None,
+                   help="Jinja chat template for /v1/chat/completions, a file path or the "
+                   "template itself (default: the tokenizer's own)")
     m.add_argument("--served-model-name", default=None,
                    help="model id in /v1/models and responses (default: the directory name)")
     s = p.add_argument_group("speculation and SLOs")
@@ -116,10 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--k-max", type=_int_in(0, 32), default=_ENGINE.k_max,
                    help="most draft tokens per request per step")
     s.add_argument("--tpot-slo", type=duration, default=None,
-                   help="default time-per-output-token SLO of requests without their own: "
-                        "30ms, 0.03s or 30 (= ms)")
+                   help="default time-per-output-token SLO of requests without their own, with "
+                        "its unit: 30ms or 0.03s (a request's own: tpot_slo, in seconds)")
     s.add_argument("--ttft-slo", type=duration, default=None,
-                   help="default time-to-first-token SLO, same units as --tpot-slo")
+                   help="default time-to-first-token SLO, with its unit: 500ms or 0.5s")
     e = p.add_argument_group("engine")
     e.add_argument("--max-running-requests", type=_int_in(1), default=_SCHED.max_running_requests,
                    help="most requests decoding at once")
@@ -195,6 +199,7 @@ def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         attention_backend=args.attention_backend, device=args.device, dtype=args.dtype,
         profile_path=args.profile_path, seed=args.seed, num_threads=args.num_threads,
         constrained_json_disable_any_whitespace=args.constrained_json_disable_any_whitespace,
+        tokenizer_path=args.tokenizer_path, chat_template=args.chat_template,
     )
 
 
@@ -210,10 +215,10 @@ def _check_policy(parser, spec: str, k_max: int, drafter: str) -> None:
         parser.error(f"argument --spec-policy: {e}")
 
 
-async def _serve(server, host: str, state) -> int:
-    """Serve until a signal (exit status 0) or until the engine stops for good (1, so that a
-    supervisor restarts the server: /health already answers 503 then)."""
-    task = asyncio.create_task(server.serve())
+async def _serve(server, sock, host: str, state) -> int:
+    """Serve on the bound socket until a signal (exit status 0) or until the engine stops for
+    good (1, so that a supervisor restarts the server: /health already answers 503 then)."""
+    task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
     if server.started:
@@ -271,16 +276,27 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_from_args(parser, args)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:  # before the models load: a busy port is one line now, not a traceback later
+        sock = bind(args.host, args.port)
+    except ListenError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     import uvicorn
 
     from sloserve.runtime.engine import Engine
     from sloserve.sglang_ext.app import create_app
     from sloserve.sglang_ext.http_protocol import with_header_timeout
 
+    log = logging.getLogger("sloserve.launch")
+    log.info("starting the engine (the first start builds the built-in pair and compiles the "
+             "CPU kernels)" if cfg.model_path is None else "starting the engine")
+    t0 = time.perf_counter()
     try:
         engine = Engine(cfg)
+        log.info("engine started in %.1f s", time.perf_counter() - t0)
     except (ValueError, OSError) as e:  # ModelLoadError is a ValueError
         print(f"error: cannot start the engine: {e}", file=sys.stderr)
+        sock.close()
         return 1
     opts = http_options(args)
     app = create_app(engine, args.served_model_name, opts)
@@ -292,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     # handler that was installed before it: make that one a no-op so that we exit 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    status = asyncio.run(_serve(server, args.host, app.state.serving))
+    status = asyncio.run(_serve(server, sock, args.host, app.state.serving))
     print("sloserve stopped" if status == 0 else "sloserve stopped: the engine failed",
           flush=True)
     return status

@@ -166,7 +166,7 @@ def _loadavg() -> list[float] | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--k-max", type=int, default=8)
     ap.add_argument("--policies", default="specserve")

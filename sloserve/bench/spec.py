@@ -36,16 +36,7 @@ from sloserve.runtime.model_runner import ModelRunner
 from sloserve.runtime.request import SamplingParams
 from sloserve.runtime.scheduler import SchedulerConfig
 from sloserve.runtime.stats import EngineStats
-
-
-def parse_ms(text: str) -> float:
-    """'30ms', '0.03s' or '30' (milliseconds) -> seconds."""
-    t = text.strip().lower()
-    if t.endswith("ms"):
-        return float(t[:-2]) / 1000
-    if t.endswith("s"):
-        return float(t[:-1])
-    return float(t) / 1000
+from sloserve.units import duration
 
 
 class ClosedLoop:
@@ -200,13 +191,15 @@ def _median_run(runs: list[dict]) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False)
     ap.add_argument("--policies", default="ar,fixed:1,fixed:3,fixed:5")
     ap.add_argument("--batches", default="1,4,16,32")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--k-max", type=int, default=8)
-    ap.add_argument("--tpot-slo", type=parse_ms, default=None, help="e.g. 45ms")
+    ap.add_argument("--tpot-slo", type=duration, default=None, help="e.g. 45ms or 0.045s")
     ap.add_argument("--drafter", default="model", choices=["model", "ngram"])
     ap.add_argument("--prompt-tokens", type=int, default=64,
                     help="truncate each prompt to this many tokens (0: whole prompts)")

@@ -101,7 +101,7 @@ def _rows(runs: dict[str, list[dict]], b: int, mode: str) -> list[dict]:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__,
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policies", default="ar,fixed:3,specserve")
     ap.add_argument("--batches", default="1,8")

@@ -1,6 +1,8 @@
 """python -m sloserve.profiler: profile draft and target forwards on this device, fit the cost
 model T = a*N_ctx + b*max(0, N_q - q0) + c per model, print R^2 and MAPE, record the pair's
-confidence -> acceptance outcomes and draft-round cost, write the profile file.
+confidence -> acceptance outcomes and draft-round cost, write the profile file: next to the
+one the engine loads (as <name>.new.json) when there is one, unless --replace (which refuses a
+fit with a lower R^2 and exits 1). Prints up front how long the run will take.
 
     python -m sloserve.profiler --quick            # built-in pair, CPU quick mode (< 2 min)
     python -m sloserve.profiler --model-path M --draft-model-path D --out-dir configs
@@ -15,11 +17,15 @@ import time
 from pathlib import Path
 
 from sloserve.estimator.profile_file import profile_path, write_profile
-from sloserve.profiler.measure import FULL, QUICK, build_profile
+from sloserve.profiler.estimate import estimate, probe
+from sloserve.profiler.measure import FULL, QUICK, build_profile, grid_points
+from sloserve.profiler.placement import place
 
 
 def main(argv=None) -> Path:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False)
     ap.add_argument("--model-path", default=None, help="target model directory (default: built-in)")
     ap.add_argument("--draft-model-path", default=None, help="draft model directory (default: built-in)")
     ap.add_argument("--drafter", default="model", choices=["model", "ngram"])
@@ -30,6 +36,9 @@ def main(argv=None) -> Path:
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parents[2] / "configs"),
                     help="profiles are written to OUT_DIR/profiles/ (default: the repo's configs/)")
     ap.add_argument("--samples-out", default=None, help="also write the raw samples as JSON here")
+    ap.add_argument("--replace", action="store_true",
+                    help="replace the profile the engine loads (only by a fit whose R^2 is not "
+                    "worse); default: write the new one next to it as <name>.new.json")
     args = ap.parse_args(argv)
 
     from sloserve.runtime.config import EngineConfig
@@ -43,6 +52,12 @@ def main(argv=None) -> Path:
     ))
     full = args.full or (not args.quick and eng.cfg.device != "cpu")
     grid = FULL if full else QUICK
+    parts = eng.parts
+    points = grid_points(grid, parts.allocator)
+    t_probe = probe(parts.target, parts.allocator, points)
+    d_probe = probe(parts.draft, parts.allocator, points) if parts.draft is not None else None
+    print(f"profiling ({'full' if full else 'quick'} mode): "
+          f"{estimate(grid, points, t_probe, d_probe).line()}", flush=True)
     t0 = time.perf_counter()
     profile, samples = build_profile(eng, grid, "full" if full else "quick")
     for name, m in (("target", profile.target), ("draft", profile.draft)):
@@ -55,10 +70,14 @@ def main(argv=None) -> Path:
               f"R^2={m.fit.r2:.4f}  MAPE={100 * m.fit.mape:.1f}%  "
               f"(n={m.fit.n_samples})")
     print(f"step overhead outside forwards: {profile.overhead * 1e3:.3f} ms")
-    out = write_profile(profile, profile_path(args.out_dir, profile))
+    where = place(profile, profile_path(args.out_dir, profile), args.replace)
+    print(where.message)
+    out = write_profile(profile, where.path)
     if args.samples_out:
         Path(args.samples_out).write_text(json.dumps(samples))
     print(f"wrote {out}  ({time.perf_counter() - t0:.0f} s)")
+    if where.refused:
+        raise SystemExit(1)
     return out
 
 

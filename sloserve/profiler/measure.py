@@ -56,6 +56,13 @@ def time_forward(runner: ModelRunner, alloc: BlockAllocator, batch: int, ctx: in
             alloc.free(b)
 
 
+def grid_points(grid: Grid, alloc: BlockAllocator) -> list[tuple[int, int, int]]:
+    """The (batch, context, query) points of the grid that fit the KV pool."""
+    return [(b, c, q)
+            for b in grid.batch_sizes for c in grid.context_lens for q in grid.query_lens
+            if alloc.blocks_for(c + max(grid.query_lens)) * b <= alloc.num_free]
+
+
 def profile_model(runner: ModelRunner, alloc: BlockAllocator, grid: Grid, log=print,
                   before=None):
     """Time every grid point once per sweep, `grid.reps` sweeps (after one unrecorded), and
@@ -64,9 +71,7 @@ def profile_model(runner: ModelRunner, alloc: BlockAllocator, grid: Grid, log=pr
     forward follows one of another shape, as engine steps do (caches not warmed by a twin).
     before: called (untimed) before each timed forward; for the draft, a target forward,
     which in the engine runs between draft rounds and evicts the draft's weights from cache."""
-    points = [(b, c, q)
-              for b in grid.batch_sizes for c in grid.context_lens for q in grid.query_lens
-              if alloc.blocks_for(c + max(grid.query_lens)) * b <= alloc.num_free]
+    points = grid_points(grid, alloc)
     times: dict[tuple[int, int, int], list[float]] = {p: [] for p in points}
     for sweep in range(grid.reps + 1):
         for p in points:

@@ -44,7 +44,8 @@ def names(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m sloserve.replay", description=__doc__.split(
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, prog="python -m sloserve.replay", description=__doc__.split(
         "\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("trace (a file, or a synthetic one)")
     src = g.add_mutually_exclusive_group(required=True)

@@ -78,7 +78,7 @@ def check(out_dir: Path, seed: int) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--out-dir", type=Path, default=Path("traces"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--check", action="store_true",

@@ -53,7 +53,7 @@ def floats(text: str) -> list[float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m sloserve.replay.sweep",
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m sloserve.replay.sweep",
                                 description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", choices=("sim", "inprocess"), required=True)

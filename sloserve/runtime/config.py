@@ -33,6 +33,8 @@ class EngineConfig:
     # JSON schemas allow only the compact layout (no free whitespace between elements), as
     # SGLang's --constrained-json-disable-any-whitespace; by default any whitespace, as SGLang
     constrained_json_disable_any_whitespace: bool = False
+    tokenizer_path: str | None = None  # None = the target model's directory
+    chat_template: str | None = None  # Jinja text replacing the tokenizer's chat template
 
     @property
     def num_blocks(self) -> int:

@@ -69,6 +69,16 @@ def _clear_stale_lock(name: str, max_age_s: float = 600.0) -> None:
         pass
 
 
+def _is_built(name: str) -> bool:
+    """The kernels' library is in torch's extension cache (loading will not compile)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory  # private; may move
+
+        return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").is_file()
+    except (ImportError, OSError, TypeError):
+        return False
+
+
 @functools.cache
 def cpu_ops():
     """The torch.ops.sloserve_cpu namespace with every kernel loaded, or None."""
@@ -79,12 +89,19 @@ def cpu_ops():
 
         name = build_name()
         _clear_stale_lock(name)
+        built = _is_built(name)
+        if not built:
+            log.info("compiling the C++ CPU kernels for this CPU (first start only; about "
+                     "15-30 s)")
+        t0 = time.perf_counter()
         load(name=name, sources=[str(p) for p in SOURCES], is_python_module=False,
              extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
              extra_include_paths=[str(CSRC)])
         ops = torch.ops.sloserve_cpu
         for op in ("paged_attention_small", "rms_norm", "add_rms_norm", "silu_mul", "rope_store"):
             getattr(ops, op)  # raises if one did not register
+        if not built:
+            log.info("compiled the C++ CPU kernels in %.1f s", time.perf_counter() - t0)
         return ops
     except Exception as e:  # no compiler, no ninja, unsupported platform: keep the torch path
         log.warning("C++ CPU kernels unavailable, using the PyTorch path: %s", e)

@@ -34,19 +34,24 @@ class EngineParts:
     target_path: str
     draft_path: str | None
     calibration: tuple | None = None  # the profile's confidence -> acceptance counts
+    tokenizer_path: str | None = None  # where the tokenizer came from (None: target_path)
 
 
 def _dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, chat_template: str | None = None):
+    """The tokenizer in `path`, with `chat_template` (Jinja text) replacing its own."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as e:  # transformers raises many kinds here
         raise ModelLoadError(f"cannot load a tokenizer from {path!r}: {e}") from None
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def _load_cost(cfg: EngineConfig, target: ModelRunner, draft: ModelRunner | None,
@@ -78,8 +83,12 @@ def build_parts(cfg: EngineConfig) -> EngineParts:
     if cfg.drafter != "model":
         draft_path = None
     dtype, device = _dtype(cfg.dtype), cfg.device
-    tokenizer = load_tokenizer(target_path)
+    tokenizer_path = cfg.tokenizer_path or target_path
+    tokenizer = load_tokenizer(tokenizer_path, cfg.chat_template)
     target_model = load_model(target_path, dtype, device)
+    if cfg.tokenizer_path and len(tokenizer) > target_model.cfg.vocab_size:
+        raise ModelLoadError(f"the tokenizer in {tokenizer_path!r} has {len(tokenizer)} tokens, "
+                             f"more than the model's vocabulary ({target_model.cfg.vocab_size})")
     draft_model = load_model(draft_path, dtype, device) if draft_path else None
     if cfg.cpu_packed_linear and device == "cpu" and packed_linear_available():
         for m in (target_model, draft_model):
@@ -108,7 +117,7 @@ def build_parts(cfg: EngineConfig) -> EngineParts:
         drafter="ngram" if cfg.drafter == "ngram" else "model", calibration=calibration,
     )
     return EngineParts(tokenizer, target, draft, alloc, policy, cost, target_path, draft_path,
-                       calibration)
+                       calibration, tokenizer_path)
 
 
 def model_name(path: str) -> str:

@@ -48,7 +48,7 @@ async def model_info(request: Request):
     hf = _hf_config(st.model_path)
     return {
         "model_path": st.model_path,
-        "tokenizer_path": st.model_path,
+        "tokenizer_path": st.tokenizer_path,
         "served_model_name": st.model_name,
         "draft_model_path": st.engine.parts.draft_path,
         "is_generation": True,

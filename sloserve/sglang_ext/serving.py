@@ -93,7 +93,8 @@ class ServingState:
         self.cfg = engine.cfg
         self.aengine = AsyncEngine(engine)
         # a tokenizer of our own: the engine thread detokenizes with the engine's
-        self.tokenizer = load_tokenizer(engine.parts.target_path)
+        self.tokenizer_path = engine.parts.tokenizer_path or engine.parts.target_path
+        self.tokenizer = load_tokenizer(self.tokenizer_path, engine.cfg.chat_template)
         self.model_path = engine.parts.target_path
         self.model_name = served_model_name or model_name(self.model_path)
         self.vocab_size = engine.parts.target.cfg.vocab_size

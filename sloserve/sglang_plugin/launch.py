@@ -5,7 +5,8 @@ sloserve's options are taken here and turned into SGLang's: the model pair (the 
 when none is given), `--tpot-slo` (the default SLO of the SPECSERVE controller),
 `--spec-policy` (specserve, specserve-drafter, or ar: SGLang without speculation, the
 reference), `--k-max` (the most draft steps per batch), `--host`, `--port`. Every other
-option goes to SGLang unchanged. On a machine without CUDA the CPU engine's flags and the
+option (`--chat-template`, `--tokenizer-path`, `--api-key`, ...) goes to SGLang unchanged;
+none is abbreviated, and a busy port is an error before anything loads. On a machine without CUDA the CPU engine's flags and the
 sgl_kernel stand-in are added (cpu_server.py). Must run in a python with SGLang's runtime
 installed (scripts/sglang_runtime_env.sh prints one); the process is replaced by SGLang's.
 """
@@ -14,10 +15,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import logging
 import os
 import sys
 from collections.abc import Sequence
 
+from sloserve.listen import ListenError, check_free
 from sloserve.sglang_plugin import settings
 from sloserve.sglang_plugin.cpu_server import (
     CPUServerConfig,
@@ -26,6 +29,7 @@ from sloserve.sglang_plugin.cpu_server import (
     server_command,
     server_env,
 )
+from sloserve.units import duration
 
 SGLANG_VERSION = "0.5.23"
 POLICIES = ("specserve", "specserve-drafter", "ar")
@@ -41,8 +45,6 @@ def sglang_runtime_available() -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from sloserve.launch import duration
-
     p = argparse.ArgumentParser(
         prog="python -m sloserve.launch --engine sglang", allow_abbrev=False,
         description="SGLang's server with sloserve's SPECSERVE speculation; options not "
@@ -99,11 +101,20 @@ def sglang_args(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
 
 
 def main(argv: Sequence[str]) -> int:
+    args, _ = build_parser().parse_known_args(list(argv))
+    try:  # SGLang binds its own socket, after loading the models: check the port first
+        check_free(args.host, args.port)
+    except ListenError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if not sglang_runtime_available():
         print("error: --engine sglang needs SGLang's runtime (sglang==0.5.23) in this "
               "python; create its environment with `bash scripts/sglang_runtime_env.sh` and "
               "run with the python it prints last", file=sys.stderr)
         return 2
+    # the first start builds the built-in pair: let its log lines (and their times) show
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
+                        "%(message)s")
     cmd, env = sglang_args(argv)
     print("sloserve: starting SGLang:", " ".join(cmd[1:]), flush=True)
     os.execve(cmd[0], cmd, env)

@@ -136,7 +136,7 @@ def profiles() -> dict[str, tuple[Profile, dict]]:
 def main(argv=None) -> None:
     import json
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parents[2] / "configs"
                                              / "profiles" / "gpu"))
     args = ap.parse_args(argv)

@@ -161,7 +161,7 @@ def penalties_at_scale(k: int, V: int, reps: int = 200) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: keep)")

@@ -19,14 +19,18 @@ ALPHA and BETA were chosen by measurement so greedy acceptance is ~0.7 on ordina
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+log = logging.getLogger(__name__)
 
 BUILTIN_VERSION = "v2"  # bump whenever the construction changes: caches are keyed by it
 SEED = 20261121
@@ -186,8 +190,11 @@ def ensure_pair(root: Path, **build_kwargs) -> tuple[Path, Path]:
         return target, draft
     root.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=root.parent))
+    log.info("building the model pair in %s (first start only; a few seconds)", root)
+    t0 = time.perf_counter()
     try:
         build_pair(staging / "pair", **build_kwargs)
+        log.info("built the model pair in %.1f s", time.perf_counter() - t0)
         try:
             os.rename(staging / "pair", root)
         except OSError:

@@ -1,0 +1,89 @@
+"""Command lines take SLOs with their unit and no abbreviated options: `--tpot-slo 0.03`
+(seconds or milliseconds?) and `--tp 2` (taken as --tpot-slo) are errors, in every CLI."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sloserve.units import duration
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("text,seconds", [("30ms", 0.03), ("0.03s", 0.03), ("1.5s", 1.5),
+                                          (" 250ms ", 0.25), (".5s", 0.5), ("30 ms", 0.03)])
+def test_duration_with_unit(text, seconds):
+    assert duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["30", "0.03", "30us", "-1s", "0ms", "fast", "", "1e3ms",
+                                  "nanms"])
+def test_duration_without_a_valid_unit_is_an_error_showing_the_forms(text):
+    with pytest.raises(argparse.ArgumentTypeError) as e:
+        duration(text)
+    assert "30ms" in str(e.value) and "0.03s" in str(e.value)
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+
+
+def test_launch_refuses_a_bare_slo_number():
+    out = _run("sloserve.launch", "--engine", "builtin", "--tpot-slo", "0.03")
+    assert out.returncode == 2
+    assert "argument --tpot-slo" in out.stderr and "no unit" in out.stderr
+    assert "30ms" in out.stderr and "0.03s" in out.stderr
+
+
+def test_launch_refuses_abbreviated_options():
+    """--tp used to be taken as --tpot-slo."""
+    out = _run("sloserve.launch", "--engine", "builtin", "--tp", "2ms")
+    assert out.returncode == 2 and "unrecognized arguments: --tp" in out.stderr
+
+
+def test_sglang_launcher_refuses_abbreviations_and_bare_slos():
+    from sloserve.sglang_plugin.launch import build_parser
+
+    parser = build_parser()
+    # SGLang's own options pass through unknown, so an abbreviation must not be expanded
+    args, rest = parser.parse_known_args(["--tp", "2"])
+    assert args.tpot_slo is None and rest == ["--tp", "2"]
+    with pytest.raises(SystemExit):
+        parser.parse_known_args(["--tpot-slo", "30"])
+
+
+def _parsers_without_allow_abbrev() -> list[str]:
+    """`file:line` of every argparse.ArgumentParser(...) in sloserve/ that does not pass
+    allow_abbrev=False."""
+    bad = []
+    for path in sorted((REPO / "sloserve").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.Call) and getattr(node.func, "attr", None)
+                    == "ArgumentParser"):
+                continue
+            kw = {k.arg: k.value for k in node.keywords}
+            flag = kw.get("allow_abbrev")
+            if not (isinstance(flag, ast.Constant) and flag.value is False):
+                bad.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    return bad
+
+
+def test_every_parser_refuses_abbreviations():
+    assert _parsers_without_allow_abbrev() == []
+
+
+def test_profiler_and_replay_refuse_abbreviations():
+    from sloserve.replay.__main__ import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["--tpot", "30"])
+    assert e.value.code == 2
+    out = _run("sloserve.profiler", "--qui")
+    assert out.returncode == 2 and "unrecognized arguments: --qui" in out.stderr
