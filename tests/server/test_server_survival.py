@@ -18,6 +18,7 @@ import uvicorn
 from server_testing import start_server, tiny_config
 
 from sloserve import launch
+from sloserve.listen import bind
 from sloserve.runtime.async_engine import MAX_CONSECUTIVE_STEP_FAILURES, StepFailed
 from sloserve.runtime.engine import Engine
 from sloserve.runtime.request import SamplingParams
@@ -225,18 +226,21 @@ def test_launch_exits_1_when_the_engine_stops(tiny_pair):
     state = app.state.serving
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
                                            lifespan="on"))
+    sock = bind("127.0.0.1", 0)  # launch binds before loading, then serves on that socket
     status: list[int] = []
     thread = threading.Thread(target=lambda: status.append(
-        asyncio.run(launch._serve(server, "127.0.0.1", state))))
+        asyncio.run(launch._serve(server, sock, "127.0.0.1", state))))
     thread.start()
     try:
         deadline = time.monotonic() + 30
-        while not server.started:
+        while not server.started and thread.is_alive():
             assert time.monotonic() < deadline
             time.sleep(0.02)
+        assert server.started, "the serve loop ended before the server started"
         _break_for_good(state)
         thread.join(30)
         assert status == [1]
     finally:
         server.should_exit = True
         thread.join(30)
+        sock.close()
