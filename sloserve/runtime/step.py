@@ -120,7 +120,10 @@ class StepRunner:
             t_plan = time.perf_counter()
             plan = self.policy.plan(info)
             planning = time.perf_counter() - t_plan
-            draft = draft_rounds(self.drafter, plan, decodes, self.cfg.k_max)
+            # a request's drafts are verified at positions num_tokens .. num_tokens + k - 1:
+            # they must lie inside the context window
+            room = np.array([self.max_context - r.num_tokens for r in decodes], dtype=np.int64)
+            draft = draft_rounds(self.drafter, plan, decodes, self.cfg.k_max, room)
             choose_verify_lengths(plan, draft)
             draft.draft_time += planning  # the drafting loop as timed: planning included
             draft.policy_time += planning
