@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target query tokens per step (prefill chunks + decodes)")
     e.add_argument("--kv-cache-tokens", type=_int_in(1), default=_ENGINE.kv_cache_tokens,
                    help="KV cache capacity shared by all requests, in tokens")
+    e.add_argument("--context-length", type=_int_in(2), default=None,
+                   help="most tokens (prompt + output) per request; longer requests are a 400 "
+                   "(default: the model's max_position_embeddings; may not exceed it)")
     e.add_argument("--block-size", type=_int_in(1), default=_ENGINE.block_size,
                    help="tokens per KV cache block")
     e.add_argument("--device", choices=("auto", "cpu", "cuda"), default=_ENGINE.device,
@@ -200,6 +203,7 @@ def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         profile_path=args.profile_path, seed=args.seed, num_threads=args.num_threads,
         constrained_json_disable_any_whitespace=args.constrained_json_disable_any_whitespace,
         tokenizer_path=args.tokenizer_path, chat_template=args.chat_template,
+        context_length=args.context_length,
     )
 
 

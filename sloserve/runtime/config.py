@@ -35,6 +35,9 @@ class EngineConfig:
     constrained_json_disable_any_whitespace: bool = False
     tokenizer_path: str | None = None  # None = the target model's directory
     chat_template: str | None = None  # Jinja text replacing the tokenizer's chat template
+    # cap on prompt + output tokens per request (None: the target's max_position_embeddings);
+    # SGLang's --context-length. May not exceed the model's window.
+    context_length: int | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -59,4 +62,6 @@ def resolve(cfg: EngineConfig) -> EngineConfig:
         raise ValueError(f"drafter must be one of model, ngram, none; got {cfg.drafter!r}")
     if cfg.k_max < 0 or cfg.k_max > 32:
         raise ValueError(f"k_max must be in [0, 32], got {cfg.k_max}")
+    if cfg.context_length is not None and cfg.context_length < 2:
+        raise ValueError(f"context_length must be >= 2, got {cfg.context_length}")
     return dataclasses.replace(cfg, device=device, dtype=dtype)

@@ -81,7 +81,8 @@ class Engine:
     # ----- requests
     @property
     def max_context(self) -> int:
-        return self.parts.target.cfg.max_position_embeddings
+        """Tokens a request may hold, prompt and output (--context-length, else the model's)."""
+        return self.runner.max_context
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=False)

@@ -50,6 +50,11 @@ class StepRunner:
         self.parts = parts
         self.stats = stats
         self.scheduler = Scheduler(cfg.scheduler, parts.allocator)
+        window = parts.target.cfg.max_position_embeddings
+        if cfg.context_length is not None and cfg.context_length > window:
+            raise ValueError(f"context_length {cfg.context_length} is beyond the model's "
+                             f"context window of {window} tokens (max_position_embeddings)")
+        self.max_context = cfg.context_length or window  # prompt + output tokens per request
         self.detok = Detokenizer(parts.tokenizer)
         self.policy = parts.policy
         self.drafter: ModelDrafter | NgramDrafter | None = None
@@ -115,7 +120,10 @@ class StepRunner:
             t_plan = time.perf_counter()
             plan = self.policy.plan(info)
             planning = time.perf_counter() - t_plan
-            draft = draft_rounds(self.drafter, plan, decodes, self.cfg.k_max)
+            # a request's drafts are verified at positions num_tokens .. num_tokens + k - 1:
+            # they must lie inside the context window
+            room = np.array([self.max_context - r.num_tokens for r in decodes], dtype=np.int64)
+            draft = draft_rounds(self.drafter, plan, decodes, self.cfg.k_max, room)
             choose_verify_lengths(plan, draft)
             draft.draft_time += planning  # the drafting loop as timed: planning included
             draft.policy_time += planning
@@ -227,7 +235,7 @@ class StepRunner:
             piece = self.detok.push(st, t)
             r.output_text = st.text
             reason = reason or self._text_stop(r, len(piece))
-            if reason is None and r.room(self.parts.target.cfg.max_position_embeddings) <= 0:
+            if reason is None and r.room(self.max_context) <= 0:
                 reason = FinishReason.LENGTH
             if reason is not None:
                 break

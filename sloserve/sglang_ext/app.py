@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
 from sloserve.runtime.engine import Engine
-from sloserve.sglang_ext import native_api, openai_api
+from sloserve.sglang_ext import load_api, native_api, openai_api
 from sloserve.sglang_ext.errors import install_error_handlers
 from sloserve.sglang_ext.http_guards import GuardMiddleware
 from sloserve.sglang_ext.http_options import HTTPOptions
@@ -46,6 +46,7 @@ def create_app(engine: Engine, served_model_name: str | None = None,
     install_error_handlers(app)
     app.include_router(native_api.router)
     app.include_router(openai_api.router)
+    app.include_router(load_api.router)
     if options.allowed_origins:  # CORS is off unless origins are named
         app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
                            allow_methods=["GET", "POST"], allow_headers=["*"])

@@ -136,12 +136,31 @@ def parse_json_body(raw: bytes, model: type[M]) -> M:
             raise APIError.bad(where or "body", "holds a lone UTF-16 surrogate escape "
                                "(\\ud800-\\udfff without its pair): not valid Unicode text")
     try:
-        return model.model_validate(data)
+        body = model.model_validate(data)
     except ValidationError as e:
         msg, param = validation_message(e.errors())
         raise APIError(400, msg, param) from None
     except RecursionError:  # pydantic recurses into Any-typed values
         raise APIError.bad("body", "JSON nested too deeply") from None
+    ignored = ignored_keys(body)
+    if ignored and log.isEnabledFor(logging.DEBUG):
+        log.debug("ignoring unknown request keys: %s", ", ".join(ignored)[:500])
+    return body
+
+
+def ignored_keys(body: BaseModel, prefix: str = "") -> list[str]:
+    """The unknown keys a lenient model (extra="allow") set aside, at any depth, as dotted
+    paths. They are ignored, as SGLang ignores them; known options it cannot honour are
+    checked by the models themselves (a 400 naming the key when not at their default)."""
+    out = [prefix + k for k in (body.model_extra or {})]
+    for name in type(body).model_fields:
+        value = getattr(body, name)
+        items = value if isinstance(value, list) else [value]
+        for i, v in enumerate(items):
+            if isinstance(v, BaseModel):
+                where = f"{prefix}{name}[{i}]." if isinstance(value, list) else f"{prefix}{name}."
+                out.extend(ignored_keys(v, where))
+    return out
 
 
 def _lone_surrogate(x: Any, path: str) -> str | None:

@@ -50,6 +50,8 @@ async def prepare(state: ServingState, item: Item, batched: bool) -> Job:
         len(ids))
     if max_new < 0:
         raise APIError.bad("sampling_params.max_new_tokens", f"must be >= 0, got {max_new}")
+    if sp.max_new_tokens is not None and max_new > 0:
+        state.check_context(len(ids), max_new, "sampling_params.max_new_tokens")
     state.check_fits(len(ids), max(max_new, 1), field, "sampling_params.max_new_tokens")
     params = to_engine_params(sp, max_new_tokens=max(max_new, 1),
                               logprobs=item.top_logprobs_num if item.return_logprob else None)

@@ -29,12 +29,25 @@ def serving(request: Request) -> ServingState:
     return request.app.state.serving
 
 
+def _card(st: ServingState) -> dict:
+    return {"id": st.model_name, "object": "model", "created": int(st.started),
+            "owned_by": "sloserve", "root": st.model_path, "max_model_len": st.max_context}
+
+
 @router.get("/models")
 async def models(request: Request):
+    return {"object": "list", "data": [_card(serving(request))]}
+
+
+@router.get("/models/{model:path}")
+async def model_card(request: Request, model: str):
+    """One model's card; 404 in OpenAI's shape for an id not served here (as SGLang)."""
     st = serving(request)
-    card = {"id": st.model_name, "object": "model", "created": int(st.started),
-            "owned_by": "sloserve", "root": st.model_path, "max_model_len": st.max_context}
-    return {"object": "list", "data": [card]}
+    if model != st.model_name:
+        return JSONResponse({"error": {"message": f"The model '{model}' does not exist",
+                                       "type": "invalid_request_error", "param": "model",
+                                       "code": "model_not_found"}}, status_code=404)
+    return _card(st)
 
 
 @dataclass
@@ -59,6 +72,8 @@ async def _jobs(st: ServingState, body, prompts: list, max_new: int | None, fiel
     jobs: list[Job] = []
     for p, name in zip(prompts, names):
         ids = await st.prompt_ids(p, name)
+        if max_new is not None:
+            st.check_context(len(ids), max_new, max_field)
         n = max_new if max_new is not None else st.default_max_tokens(len(ids))
         st.check_fits(len(ids), n, name, max_field)
         text = (p if isinstance(p, str) else st.tokenizer.decode(ids)) if echo else ""
@@ -143,8 +158,10 @@ async def _respond(request: Request, st: ServingState, body, jobs: list[Job], ch
     if k is not None and any(j.echo for j in jobs):
         echoed = {j.index: await _prompt_entries(st, j, k) for j in jobs if j.echo}
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _stream(st, jobs, head, chat, include_usage, k, echoed)
+        opts = body.stream_options
+        usage = ("every" if opts and opts.continuous_usage_stats
+                 else "last" if opts and opts.include_usage else None)
+        events = _stream(st, jobs, head, chat, usage, k, echoed)
         return StreamingResponse(events, media_type="text/event-stream")
     progs: list[Progress | None] = [None] * len(jobs)
 
@@ -180,8 +197,10 @@ def _sse(obj) -> bytes:
 
 
 async def _stream(st: ServingState, jobs: list[Job], head: dict, chat: bool,
-                  include_usage: bool, k: int | None, echoed: dict[int, Entries]
+                  usage: str | None, k: int | None, echoed: dict[int, Entries]
                   ) -> AsyncIterator[bytes]:
+    """usage: None; "last" (include_usage: a final chunk with the usage); "every"
+    (continuous_usage_stats: the usage so far in every chunk too, as vLLM and SGLang)."""
     head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
     progs: list[Progress | None] = [None] * len(jobs)
     sent = [0] * len(jobs)  # characters of each choice's text already sent
@@ -204,7 +223,8 @@ async def _stream(st: ServingState, jobs: list[Job], head: dict, chat: bool,
             c = {"index": i, "delta": d, "logprobs": lp, "finish_reason": finish}
         else:
             c = {"index": i, "text": delta, "logprobs": lp, "finish_reason": finish}
-        return _sse({**head, "choices": [c]})
+        extra = {"usage": _usage(jobs, progs)} if usage == "every" else {}
+        return _sse({**head, "choices": [c], **extra})
 
     try:
         for job in jobs:
@@ -225,7 +245,7 @@ async def _stream(st: ServingState, jobs: list[Job], head: dict, chat: bool,
                 if delta or prog.finished or (k is not None and new.ids):
                     sent_tokens[i] += len(new.ids)
                     yield chunk(i, delta, _finish(prog), logprobs(i, new))
-        if include_usage:
+        if usage is not None:
             yield _sse({**head, "choices": [], "usage": _usage(jobs, progs)})
     except (APIError, EngineFailure) as e:
         code = e.status if isinstance(e, APIError) else 503 if isinstance(e, EngineDeadError) else 500

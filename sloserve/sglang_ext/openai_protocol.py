@@ -1,9 +1,10 @@
 """OpenAI-compatible request bodies (/v1/completions, /v1/chat/completions).
 
 Honoured: `n`, `presence_penalty`, `frequency_penalty`, `response_format` (`json_object`,
-`json_schema`), completions' `logprobs` and `echo`, chat's `logprobs` / `top_logprobs`. Standard
-fields the server cannot honour are accepted only at their neutral value; unknown fields are a
-400 naming them. Extensions, SGLang's names (send them with the official client's
+`json_schema`), completions' `logprobs` and `echo`, chat's `logprobs` / `top_logprobs`,
+`stream_options.continuous_usage_stats`. Fields the server knows but cannot honour are
+accepted only at their neutral value (else a 400 naming them); unknown fields are accepted and
+ignored (logged at debug level), as SGLang's and vLLM's OpenAI servers do. Extensions, SGLang's names (send them with the official client's
 `extra_body`): `top_k`, `min_tokens`, `repetition_penalty`, `regex`, `json_schema`, `ebnf`,
 `ignore_eos`, `stop_token_ids`, `no_stop_trim`, and the per-request SLOs `tpot_slo` /
 `ttft_slo` in seconds.
@@ -19,13 +20,15 @@ from sloserve.runtime.constraints.spec import GrammarSpec, grammar_spec
 from sloserve.runtime.request import InvalidRequest, SamplingParams
 from sloserve.sglang_ext.errors import APIError
 
-STRICT = ConfigDict(extra="forbid", strict=True)
+# unknown keys are kept aside (model_extra), logged and ignored
+STRICT = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(BaseModel):
     model_config = STRICT
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage so far in every chunk (vLLM, SGLang)
 
 
 class _Sampling(BaseModel):
@@ -58,10 +61,20 @@ class _Sampling(BaseModel):
     no_stop_trim: bool = False
     tpot_slo: float | None = None
     ttft_slo: float | None = None
+    # SGLang's extensions that sglang-router sends at their defaults
+    skip_special_tokens: bool = True
+    return_hidden_states: bool = False
+    # no reasoning parser runs here: there is no reasoning text to separate, either way
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
     def _check_neutral(self, extra: dict[str, tuple[Any, tuple, str]]) -> None:
         checks = {
             "logit_bias": (self.logit_bias, (None, {}), "logit_bias is not supported"),
+            "skip_special_tokens": (self.skip_special_tokens, (True,),
+                                    "special tokens are always skipped in the output text"),
+            "return_hidden_states": (self.return_hidden_states, (False,),
+                                     "return_hidden_states is not supported"),
             **extra,
         }
         for name, (value, ok, why) in checks.items():
@@ -169,6 +182,7 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Any] | None = None
     tool_choice: str | None = None
     parallel_tool_calls: bool | None = None
+    continue_final_message: bool = False
 
     def check(self) -> None:
         if self.top_logprobs is not None:
@@ -181,6 +195,8 @@ class ChatCompletionRequest(_Sampling):
             "tools": (self.tools, (None, []), "tool calling is not supported"),
             "tool_choice": (self.tool_choice, (None, "none", "auto"),
                             "tool calling is not supported"),
+            "continue_final_message": (self.continue_final_message, (False,),
+                                       "continue_final_message is not supported"),
         })
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise APIError.bad("max_completion_tokens", "give max_tokens or "

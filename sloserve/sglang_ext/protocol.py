@@ -4,9 +4,11 @@ Every key SGLang's frontend (`sglang.RuntimeEndpoint`) and its benchmark client 
 accepted. Constrained decoding (`regex`, `json_schema`, `ebnf`), `min_new_tokens`, `n`, the
 three penalties and `no_stop_trim` are honoured (under speculation too); keys this server
 cannot honour are accepted only at their neutral value (e.g. `min_p: 0`,
-`structural_tag: null`) and any other value is a 400 naming the key. Unknown keys are a
-400 too (extra="forbid"). Per-request SLOs are the sampling parameters `tpot_slo` and
-`ttft_slo`, in seconds.
+`structural_tag: null`) and any other value is a 400 naming the key. Unknown top-level keys
+are accepted and ignored (logged at debug level), as SGLang does: routers such as
+sglang-router re-serialise requests with fields of newer SGLang versions. Unknown keys inside
+`sampling_params` stay a 400 (SGLang rejects them too). Per-request SLOs are the sampling
+parameters `tpot_slo` and `ttft_slo`, in seconds.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from sloserve.runtime.request import InvalidRequest, SamplingParams
 from sloserve.sglang_ext.errors import APIError, from_invalid
 
 STRICT = ConfigDict(extra="forbid", strict=True)
+# a request body's top level: unknown keys are kept aside (model_extra), logged and ignored
+LENIENT = ConfigDict(extra="allow", strict=True)
 
 
 class SGLangSamplingParams(BaseModel):
@@ -102,7 +106,7 @@ def to_engine_params(
 class GenerateRequest(BaseModel):
     """Body of POST /generate: one prompt, or a batch (lists) as SGLang allows."""
 
-    model_config = STRICT
+    model_config = LENIENT
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
@@ -115,6 +119,7 @@ class GenerateRequest(BaseModel):
     return_text_in_logprobs: bool = False
     log_metrics: bool = True
     no_logs: bool = False  # this server does not log prompts anyway
+    model: str | None = None  # a router's hint (smg sends "unknown"); one model is served here
     # SGLang features this server lacks: accepted only at their neutral value (null, false, 0),
     # since SGLang's clients send some of them by default (e.g. bench_serving's lora_path)
     token_ids_logprob: Any = None
@@ -143,6 +148,8 @@ class GenerateRequest(BaseModel):
     priority: Any = None
     extra_key: Any = None
     routing_key: Any = None
+    background: Any = None
+    return_bytes: Any = None
 
 
 _UNSUPPORTED_TOP = tuple(n for n, f in GenerateRequest.model_fields.items() if f.annotation is Any)

@@ -15,7 +15,7 @@ from fastapi import Request
 
 from sloserve.runtime.async_engine import AsyncEngine
 from sloserve.runtime.engine import Engine, QueueFull, RequestOutput
-from sloserve.runtime.engine_setup import load_tokenizer, model_name
+from sloserve.runtime.engine_setup import load_tokenizer
 from sloserve.runtime.logprobs import TokenLogprobs
 from sloserve.runtime.request import InvalidRequest, SamplingParams, validate_prompt
 from sloserve.sglang_ext.errors import APIError, from_invalid
@@ -96,7 +96,9 @@ class ServingState:
         self.tokenizer_path = engine.parts.tokenizer_path or engine.parts.target_path
         self.tokenizer = load_tokenizer(self.tokenizer_path, engine.cfg.chat_template)
         self.model_path = engine.parts.target_path
-        self.model_name = served_model_name or model_name(self.model_path)
+        # as SGLang: the model path unless --served-model-name is given (clients load the
+        # tokenizer by this name)
+        self.model_name = served_model_name or self.model_path
         self.vocab_size = engine.parts.target.cfg.vocab_size
         self.max_context = engine.max_context
         self.max_prompt_tokens = max(1, min(self.max_context, engine.kv_capacity) - 1)
@@ -139,6 +141,15 @@ class ServingState:
             raise APIError.bad(name, str(e).split(": ", 1)[1]) from None
         self.check_fits(len(ids), 1, field_name, "max_new_tokens")
         return ids
+
+    def check_context(self, prompt_len: int, max_new: int, max_field: str) -> None:
+        """400 when the prompt and the requested new tokens exceed the context length (as
+        SGLang; it is not silently clamped)."""
+        if prompt_len + max_new > self.max_context:
+            raise APIError.bad(max_field, f"the prompt's {prompt_len} tokens plus {max_field} "
+                               f"{max_new} = {prompt_len + max_new} tokens exceed the context "
+                               f"length of {self.max_context} tokens; reduce the prompt or "
+                               f"{max_field}")
 
     def check_fits(self, prompt_len: int, max_new: int, prompt_field: str, max_field: str
                    ) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from sloserve_testing import hf_greedy, prompts_of_lengths
 
-from sloserve.runtime.request import SamplingParams, Status
+from sloserve.runtime.request import FinishReason, SamplingParams, Status
 
 LENGTHS = [3, 17, 5, 40, 9, 1, 26, 12, 33, 7, 2, 21, 15, 48, 6, 11, 29, 4]
 
@@ -51,3 +51,23 @@ def test_generate_text_prompts_in_order(make_engine):
     assert [o["completion_tokens"] for o in outs] == [5, 5]
     assert outs[0]["prompt_tokens"] == len(eng.encode("hello world"))
     assert all(o["finish_reason"] == "length" for o in outs)
+
+
+def test_speculation_up_to_the_context_window_edge(make_engine, hf_target):
+    """Requests that end exactly at the context window draft only as far as it: a draft
+    verified past the window would have no position (the step used to fail there)."""
+    eng = make_engine(spec_policy="fixed:3")
+    window = eng.max_context
+    prompts = prompts_of_lengths([window - 10, window - 2], seed=3)
+    outs = [eng.add_request(p, SamplingParams(max_new_tokens=window - len(p), temperature=0.0,
+                                              ignore_eos=True)) for p in prompts]
+    while eng.has_work:
+        eng.step()
+    for r, p in zip(outs, prompts):
+        assert r.output_ids == hf_greedy(hf_target, p, window - len(p))
+    capped = make_engine(spec_policy="fixed:3", context_length=40)
+    r = capped.add_request(prompts_of_lengths([30], seed=4)[0],
+                           SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True))
+    while capped.has_work:
+        capped.step()
+    assert len(r.output_ids) == 10 and r.finish_reason is FinishReason.LENGTH

@@ -63,8 +63,10 @@ class DraftResult:
 
 
 def draft_rounds(source: DraftSource, plan: SpecPlan, reqs: list[Request],
-                 k_max: int) -> DraftResult:
-    """Draft rounds for the decode batch as the plan steers them (extend after each)."""
+                 k_max: int, room: np.ndarray | None = None) -> DraftResult:
+    """Draft rounds for the decode batch as the plan steers them (extend after each).
+    room: [B] most draft tokens each request may have (the context window's room: a draft
+    verified at a position beyond the window has no position embedding); None: k_max."""
     B = len(reqs)
     tokens = np.zeros((B, k_max), dtype=np.int64)
     conf = np.full((B, k_max), np.nan)  # NaN exactly where nothing was drafted
@@ -72,6 +74,8 @@ def draft_rounds(source: DraftSource, plan: SpecPlan, reqs: list[Request],
                       np.zeros(B, dtype=np.int64))
     t0 = time.perf_counter()
     active = np.asarray(plan.drafting, dtype=bool).copy() if k_max > 0 else np.zeros(B, bool)
+    if room is not None:
+        active &= room > 0
     j = 0
     # few numpy calls per round: this runs per draft round of every step, mostly at small
     # batch sizes where each call's fixed cost dominates (the simulator's hot path)
@@ -103,6 +107,8 @@ def draft_rounds(source: DraftSource, plan: SpecPlan, reqs: list[Request],
             tp = time.perf_counter()
             active &= np.asarray(plan.extend(conf[:, :j], active), dtype=bool)
             res.policy_time += time.perf_counter() - tp
+        if room is not None:
+            active &= room > j
     res.draft_time = time.perf_counter() - t0
     if j:
         res.drafted = drafted = np.isfinite(conf[:, :j]).sum(axis=1)  # [B] s_r
