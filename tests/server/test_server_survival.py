@@ -99,8 +99,9 @@ BAD = [
     ("lone surrogate in a key", "/generate", '{"text": "hi", "\\ud800": 1}', "\\ud800"),
     ("JSON nested 10k deep", "/generate", '{"text": "hi", "custom_params": ' + "[" * 10000
      + "]" * 10000 + "}", "body"),
-    ("JSON nested 500 deep", "/generate", '{"text": "hi", "custom_params": {"a": ' + "[" * 500
-     + "]" * 500 + "}}", "custom_params"),
+    # inside sampling_params (strict): a top-level unknown key is ignored, as SGLang does
+    ("JSON nested 500 deep", "/generate", '{"text": "hi", "sampling_params": {"custom_params": '
+     '{"a": ' + "[" * 500 + "]" * 500 + "}}}", "sampling_params.custom_params"),
 ]
 
 
