@@ -9,7 +9,7 @@
     # the in-process engine on this CPU (built-in pair), 0.3-1.5x what `ar` sustains
     python -m sloserve.replay.sweep --target inprocess \
         --trace ../shared/data/traces/azure_llm_2023_conv.csv --loads 0.3,0.6,1,1.5 \
-        --rate-unit ar --input-scale 0.1 --input-max 256 --output-scale 0.25 --output-max 64 \
+        --rate-unit ar --seeds 0,1,2 --requests 200 --input-scale 0.1 --input-max 256 --output-scale 0.25 --output-max 64 \
         --tpot-slo-ms 60 --ttft-slo-ms 2000 --out runs/sweep_cpu
 
 Every (load, seed) cell is `--requests` consecutive trace requests from a seed-chosen start
