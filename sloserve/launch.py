@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("speculation and SLOs")
     s.add_argument("--spec-policy", default=_ENGINE.spec_policy,
                    help="speculation policy: ar, fixed:K, hf-heuristic[:K0], hf-threshold[:T], "
-                        "goodput, lut[:B=K,...], sglang-adaptive, specserve-drafter, specserve")
+                        "goodput, lut[:B=K,...], sglang-adaptive, specserve-drafter, specserve, "
+                        "specserve-slo (default), adaserve[:D]")
     s.add_argument("--k-max", type=_int_in(0, 32), default=_ENGINE.k_max,
                    help="most draft tokens per request per step")
     s.add_argument("--tpot-slo", type=duration, default=None,

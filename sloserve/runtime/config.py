@@ -16,7 +16,7 @@ class EngineConfig:
     model_path: str | None = None  # None = the built-in target
     draft_model_path: str | None = None  # None = the built-in draft (with drafter "model")
     drafter: str = "model"  # model | ngram | none
-    spec_policy: str = "specserve"  # see sloserve.policies.registry
+    spec_policy: str = "specserve-slo"  # see sloserve.policies.registry
     k_max: int = 8  # most draft tokens per request per step
     tpot_slo: float | None = None  # seconds; default TPOT SLO of requests without their own
     ttft_slo: float | None = None

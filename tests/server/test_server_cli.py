@@ -52,7 +52,7 @@ def test_config_from_cli_is_built_once_and_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.k_max = 2
     default = parse([])
-    assert default.spec_policy == "specserve" and default.tpot_slo is None
+    assert default.spec_policy == "specserve-slo" and default.tpot_slo is None
     assert parse(["--drafter", "ngram"]).drafter == "ngram"
 
 
