@@ -40,14 +40,21 @@ from sglang.srt.speculative.eagle_worker_common import (
 
 # (draft tokens [bs, k], confidences [bs, k]) of the chain just drafted
 ChainSink = Callable[[torch.Tensor, torch.Tensor], None]
+# after each draft round: the round's confidences [bs] -> whether another round runs
+RoundHook = Callable[[torch.Tensor], bool]
+# drafting stopped after s < k rounds: switch the worker to s rounds before the verify
+RoundsDone = Callable[[int], None]
 
 
 class AlignedDraft:
     """Replaces the EAGLE-layout methods of SGLang's standalone draft worker `dw`."""
 
-    def __init__(self, dw: Any, k_max: int, on_chain: ChainSink | None = None) -> None:
+    def __init__(self, dw: Any, k_max: int, on_chain: ChainSink | None = None,
+                 on_round: RoundHook | None = None, on_stop: RoundsDone | None = None) -> None:
         self.dw = dw
         self.on_chain = on_chain
+        self.on_round = on_round  # the plan's early stop (None: always k rounds)
+        self.on_stop = on_stop
         self.k_max = k_max
         self.backends: dict[int, Any] = {}  # k -> multi-step backend (built at first use:
         # the draft's memory pool does not exist yet when the worker is built)
@@ -116,6 +123,14 @@ class AlignedDraft:
             drafts.append(tokens)
             confs.append(conf)
             fb.positions.add_(1)
+            if self.on_round is not None and not self.on_round(conf):
+                break  # the plan: one more round would lower the expected goodput
+        if len(drafts) < k:
+            # fewer rounds than prepared: the verify (and the draft extend after it) use the
+            # runtime state of that many rounds; its KV slots are a prefix of the reserved ones
+            k = len(drafts)
+            assert self.on_stop is not None
+            self.on_stop(k)
         draft_tokens = torch.stack(drafts, dim=1)  # [bs, k]
         if self.on_chain is not None:
             self.on_chain(draft_tokens, torch.stack(confs, dim=1))
