@@ -13,9 +13,7 @@ plan). Both SPECSERVE servers write their per-step decisions to a step log
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-import numpy as np
 import pytest
 
 from tests.sglang_runtime.test_specserve_server import (
