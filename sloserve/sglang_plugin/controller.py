@@ -213,6 +213,7 @@ class StepController:
         chain probabilities P_{r,j} = prod g(c) the plan used (null past s_r), the raw
         confidences, and the calibration map g at its bin centres after this step."""
         g = getattr(self.policy, "calibrator", None)
+        assert d.drafted is not None
         s = conf.shape[1]
         P = d.plan.P[:s].T  # the plan's chain probabilities (+inf where not drafted)
         rec = {"rids": d.rids, "rounds": d.k, "drafted": d.drafted.tolist(),

@@ -16,6 +16,9 @@ and the cost profile of SGLang's forwards for the model pair on this device.
     SLOSERVE_SGLANG_TEST_VERIFY_LENS  TEST ONLY: comma-separated k per batch row (cyclic);
                            every request drafts k_max and row i verifies min(k[i], k_max),
                            so tests can force 0 and 4+ verified drafts in one batch
+    SLOSERVE_SGLANG_TEST_ACCEPT_ALL   TEST ONLY: 1 = a deliberately wrong acceptance rule
+                           for sampled batches (every draft accepted); the sampling test
+                           shows it changes the output distribution
 
 A request's own SLO: SGLang sampling params `custom_params: {"tpot_slo": seconds}`.
 Profiles of SGLang's forwards are keyed like the built-in engine's, with the device key
@@ -47,6 +50,12 @@ ENV_TIMINGS = "SLOSERVE_SGLANG_TIMINGS"
 ENV_LENGTHS = "SLOSERVE_SGLANG_LENGTHS"
 ENV_STEP_LOG = "SLOSERVE_SGLANG_STEP_LOG"
 ENV_TEST_VERIFY_LENS = "SLOSERVE_SGLANG_TEST_VERIFY_LENS"
+ENV_TEST_ACCEPT_ALL = "SLOSERVE_SGLANG_TEST_ACCEPT_ALL"
+
+
+def test_accept_all() -> bool:
+    """TEST ONLY: the deliberately wrong acceptance rule (see the module docstring)."""
+    return os.environ.get(ENV_TEST_ACCEPT_ALL, "") == "1"
 POLICIES = ("specserve", "specserve-drafter")
 
 

@@ -31,15 +31,17 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
-from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
 from sglang.srt.layers.attention.intel_amx_backend import IntelAMXAttnBackend
+from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
+from sglang.srt.speculative import eagle_worker_common
 from sglang.srt.speculative.adaptive_runtime_state import AdaptiveController
 from sglang.srt.speculative.ragged_verify import RaggedVerifyLayout
 from sglang.srt.speculative.standalone_worker_v2 import StandaloneWorkerV2
 
 from sloserve.sglang_plugin import settings
+from sloserve.sglang_plugin.chain_sampling import processed_probs, verify_chains
 from sloserve.sglang_plugin.controller import SGLangStepsPolicy, StepController
-from sloserve.sglang_plugin.draft_chain import AlignedDraft
+from sloserve.sglang_plugin.draft_chain import AlignedDraft, sampled_batch
 
 logger = logging.getLogger(__name__)
 
@@ -106,9 +108,11 @@ class SpecServeWorker(StandaloneWorkerV2):
         dw = self._draft_worker
         self.per_request = settings.per_request_lengths()
         # the draft's KV aligned with the sequence (draft_chain.py), then timed
-        AlignedDraft(dw, self.speculative_num_steps,
-                     on_round=self._after_round if self.per_request else None,
-                     on_stop=self._rounds_done).install()
+        self.aligned = AlignedDraft(dw, self.speculative_num_steps,
+                                    on_round=self._after_round if self.per_request else None,
+                                    on_stop=self._rounds_done)
+        self.aligned.install()
+        self.test_accept_all = settings.test_accept_all()
         dw.draft = _timed(dw.draft, lambda s: ctl.add_times(draft=s), dev)
         dw._draft_extend_for_decode = _timed(dw._draft_extend_for_decode,
                                              lambda s: ctl.add_times(extend=s), dev)
@@ -138,6 +142,48 @@ class SpecServeWorker(StandaloneWorkerV2):
         self.adaptive_controller._activate(rounds)
 
     def verify(self, batch, *args: Any, **kwargs: Any):
+        if batch.forward_mode.is_idle() or not sampled_batch(batch):
+            return self._verify_lengths(batch, *args, **kwargs)
+        # SGLang's verify commits the argmax on CPUs: SPECSERVE samples (chain_sampling.py)
+        original = eagle_worker_common.eagle_sample
+        eagle_worker_common.eagle_sample = self._sample  # type: ignore[attr-defined]
+        try:
+            return self._verify_lengths(batch, *args, **kwargs)
+        finally:
+            eagle_worker_common.eagle_sample = original  # type: ignore[attr-defined]
+
+    def _sample(self, verify_input: Any, batch: Any, logits_output: Any, *args: Any,
+                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """eagle_sample's contract (predict [bs * n], accept_lens [bs] with the bonus,
+        accept_index [bs, depth] flat rows, -1 padded) from chain_sampling's rule."""
+        bs, n = len(batch.seq_lens), int(verify_input.draft_token_num)
+        si = batch.sampling_info
+        logits = logits_output.next_token_logits  # [bs * n, V]
+        V = logits.shape[-1]
+        p = processed_probs(logits, si.temperatures.reshape(-1).repeat_interleave(n),
+                            si.top_ks.repeat_interleave(n), si.top_ps.repeat_interleave(n))
+        cand = verify_input.draft_token.reshape(bs, n).to(torch.int64)
+        q = self.aligned.last_q
+        if n == 1 or q is None:
+            q = logits.new_zeros((bs, 0, V))
+        d = self.controller.pending
+        k = (d.verified.tolist() if d is not None and d.verified is not None
+             and len(d.verified) == bs else [n - 1] * bs)
+        accepted, final = verify_chains(p.reshape(bs, n, V), cand[:, 1:], q.float(), k,
+                                        accept_all=self.test_accept_all)
+        dev = logits.device
+        predict = torch.zeros(bs * n, dtype=torch.int32, device=dev)
+        accept_index = torch.full((bs, verify_input.max_tree_depth), -1, dtype=torch.int32,
+                                  device=dev)
+        for r, (m, t) in enumerate(zip(accepted, final)):
+            rows = torch.arange(r * n, r * n + m + 1, dtype=torch.int32, device=dev)
+            accept_index[r, : m + 1] = rows
+            predict[r * n: r * n + m] = cand[r, 1: m + 1].to(torch.int32)
+            predict[r * n + m] = t
+        accept_lens = torch.tensor(accepted, dtype=torch.int32, device=dev) + 1
+        return predict, accept_lens, accept_index
+
+    def _verify_lengths(self, batch, *args: Any, **kwargs: Any):
         d = self.controller.pending
         vi = batch.spec_info
         if not self.per_request or d is None or d.drafted is None \
