@@ -65,6 +65,9 @@ def _register_specserve() -> None:
                     lambda self, _attr=attr, *a, **kw: getattr(standalone, _attr)(*a, **kw))
         elif not hasattr(CustomSpecAlgo, attr):
             setattr(SpecServeAlgo, attr, value)  # e.g. create_future_map: asks self.is_*()
+    # the worker builds a RaggedVerifyLayout per step (per-request verify lengths); SGLang
+    # reads this only for its compact ragged CUDA graphs (SGLANG_RAGGED_VERIFY_MODE=compact)
+    SpecServeAlgo.supports_ragged_verify = lambda self: True  # type: ignore[method-assign]
 
     @SpeculativeAlgorithm.register("SPECSERVE", supports_overlap=False, spec_class=SpecServeAlgo)
     def _factory(server_args):
@@ -87,6 +90,23 @@ def _register_specserve() -> None:
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.get_output_streamer_class",
         _output_streamer_class, HookType.REPLACE)
+
+    def _per_request_spec_metrics(result, manager, meta_info, recv_obj, i, *a, **kw):
+        """SGLang counts verify_ct * (num_draft_tokens - 1) proposed drafts per request (its
+        static k); SPECSERVE's requests verify their own k_r per step, listed in
+        meta_info["sloserve_draft_steps"], so the rate is recounted from those."""
+        steps = meta_info.get("sloserve_draft_steps")
+        if steps is None or "spec_verify_ct" not in meta_info:
+            return result
+        proposed = int(sum(steps))
+        meta_info["spec_num_proposed_drafts"] = proposed
+        meta_info["spec_accept_rate"] = (
+            meta_info.get("spec_num_correct_drafts", 0) / proposed if proposed else 0.0)
+        return result
+
+    HookRegistry.register(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager._calculate_spec_decoding_metrics",
+        _per_request_spec_metrics, HookType.AFTER)
 
 
 def register() -> None:

@@ -38,17 +38,40 @@ from sglang.srt.speculative.eagle_worker_common import (
     prepare_for_draft_extend,
 )
 
+from sloserve.sglang_plugin.chain_sampling import draft_pick
+
 # (draft tokens [bs, k], confidences [bs, k]) of the chain just drafted
 ChainSink = Callable[[torch.Tensor, torch.Tensor], None]
+# after each draft round: the round's confidences [bs] -> whether another round runs
+RoundHook = Callable[[torch.Tensor], bool]
+# drafting stopped after s < k rounds: switch the worker to s rounds before the verify
+RoundsDone = Callable[[int], None]
+
+
+def sampled_batch(batch: Any) -> bool:
+    """Whether SPECSERVE samples this decode batch itself (chain_sampling.py): some request is
+    not greedy, and none needs what that sampler does not apply (a grammar, penalties, a
+    logit bias, min-p); those batches keep SGLang's verify (argmax on CPUs)."""
+    si = batch.sampling_info
+    if si is None or si.is_all_greedy or batch.has_grammar:
+        return False
+    return (si.acc_additive_penalties is None and si.acc_scaling_penalties is None
+            and si.logit_bias is None and not si.need_min_p_sampling)
 
 
 class AlignedDraft:
     """Replaces the EAGLE-layout methods of SGLang's standalone draft worker `dw`."""
 
-    def __init__(self, dw: Any, k_max: int, on_chain: ChainSink | None = None) -> None:
+    def __init__(self, dw: Any, k_max: int, on_chain: ChainSink | None = None,
+                 on_round: RoundHook | None = None, on_stop: RoundsDone | None = None) -> None:
         self.dw = dw
         self.on_chain = on_chain
+        self.on_round = on_round  # the plan's early stop (None: always k rounds)
+        self.on_stop = on_stop
         self.k_max = k_max
+        # the draft distributions of the chain just drafted ([bs, k, V]) when the batch is
+        # sampled by SPECSERVE (sampled_batch), else None (greedy: SGLang's argmax verify)
+        self.last_q: torch.Tensor | None = None
         self.backends: dict[int, Any] = {}  # k -> multi-step backend (built at first use:
         # the draft's memory pool does not exist yet when the worker is built)
 
@@ -105,18 +128,34 @@ class AlignedDraft:
         fb.mark_forward_metadata_ready()
         locs = per_step_draft_out_cache_loc(fb.out_cache_loc, bs, 1, k + 1)  # [k + 1, bs]
         tokens = draft_input.bonus_tokens.to(torch.int64).reshape(bs)
-        drafts, confs = [], []
+        drafts, confs, qs = [], [], []
+        si = batch.sampling_info
+        sampled = sampled_batch(batch)
         for i in range(k):
             fb.input_ids = tokens
             fb.out_cache_loc = locs[i]
             with forward_context(ForwardContext(attn_backend=backend.attn_backends[i]),
                                  forward_batch=fb):
                 logits = dw.draft_runner.forward(fb).logits_output.next_token_logits  # [bs, V]
-            conf, tokens = torch.softmax(logits.float(), dim=-1).max(dim=-1)  # [bs] each
+            if sampled:
+                tokens, conf, q = draft_pick(logits, si.temperatures.reshape(-1), si.top_ks,
+                                             si.top_ps)
+                qs.append(q)
+            else:
+                conf, tokens = torch.softmax(logits.float(), dim=-1).max(dim=-1)  # [bs] each
             drafts.append(tokens)
             confs.append(conf)
             fb.positions.add_(1)
+            if self.on_round is not None and not self.on_round(conf):
+                break  # the plan: one more round would lower the expected goodput
+        if len(drafts) < k:
+            # fewer rounds than prepared: the verify (and the draft extend after it) use the
+            # runtime state of that many rounds; its KV slots are a prefix of the reserved ones
+            k = len(drafts)
+            assert self.on_stop is not None
+            self.on_stop(k)
         draft_tokens = torch.stack(drafts, dim=1)  # [bs, k]
+        self.last_q = torch.stack(qs, dim=1) if sampled else None
         if self.on_chain is not None:
             self.on_chain(draft_tokens, torch.stack(confs, dim=1))
         verify_input = build_eagle_verify_input(

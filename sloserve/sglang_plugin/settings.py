@@ -8,6 +8,17 @@ and the cost profile of SGLang's forwards for the model pair on this device.
     SLOSERVE_PROFILE       a profile file to use instead of the lookup below
     SLOSERVE_SGLANG_SWEEP  profiling only: comma-separated draft lengths to cycle through
     SLOSERVE_SGLANG_TIMINGS profiling only: a file that gets one JSON line of timings a step
+    SLOSERVE_SGLANG_LENGTHS per-request (default: the plan stops drafting round by round and
+                           each request verifies its own k_r, a ragged verify) | uniform (one
+                           k per batch chosen before drafting, issue #13's behaviour)
+    SLOSERVE_SGLANG_STEP_LOG a file that gets one JSON line per per-request step (verify
+                           lengths, the plan's chain probabilities, the calibration map)
+    SLOSERVE_SGLANG_TEST_VERIFY_LENS  TEST ONLY: comma-separated k per batch row (cyclic);
+                           every request drafts k_max and row i verifies min(k[i], k_max),
+                           so tests can force 0 and 4+ verified drafts in one batch
+    SLOSERVE_SGLANG_TEST_ACCEPT_ALL   TEST ONLY: 1 = a deliberately wrong acceptance rule
+                           for sampled batches (every draft accepted); the sampling test
+                           shows it changes the output distribution
 
 A request's own SLO: SGLang sampling params `custom_params: {"tpot_slo": seconds}`.
 Profiles of SGLang's forwards are keyed like the built-in engine's, with the device key
@@ -36,6 +47,15 @@ ENV_POLICY = "SLOSERVE_SPEC_POLICY"
 ENV_PROFILE = "SLOSERVE_PROFILE"
 ENV_SWEEP = "SLOSERVE_SGLANG_SWEEP"
 ENV_TIMINGS = "SLOSERVE_SGLANG_TIMINGS"
+ENV_LENGTHS = "SLOSERVE_SGLANG_LENGTHS"
+ENV_STEP_LOG = "SLOSERVE_SGLANG_STEP_LOG"
+ENV_TEST_VERIFY_LENS = "SLOSERVE_SGLANG_TEST_VERIFY_LENS"
+ENV_TEST_ACCEPT_ALL = "SLOSERVE_SGLANG_TEST_ACCEPT_ALL"
+
+
+def test_accept_all() -> bool:
+    """TEST ONLY: the deliberately wrong acceptance rule (see the module docstring)."""
+    return os.environ.get(ENV_TEST_ACCEPT_ALL, "") == "1"
 POLICIES = ("specserve", "specserve-drafter")
 
 
@@ -100,5 +120,20 @@ def make_controller(target_path: str, draft_path: str, k_max: int, device: str,
     cost, calibration = load_cost(target_path, draft_path, device, dtype)
     policy = make_policy(name, cost, k_max=k_max, calibration=calibration)
     sweep = tuple(int(x) for x in os.environ.get(ENV_SWEEP, "").split(",") if x.strip())
+    forced = tuple(int(x) for x in os.environ.get(ENV_TEST_VERIFY_LENS, "").split(",")
+                   if x.strip())
+    if any(x < 0 for x in forced):
+        raise ValueError(f"{ENV_TEST_VERIFY_LENS} must be non-negative integers")
     return StepController(policy, k_max, default_tpot_slo(), sweep=sweep,
-                          timings_path=os.environ.get(ENV_TIMINGS) or None)
+                          timings_path=os.environ.get(ENV_TIMINGS) or None,
+                          forced_lengths=forced,
+                          step_log_path=os.environ.get(ENV_STEP_LOG) or None)
+
+
+def per_request_lengths() -> bool:
+    """Whether the worker runs per-request steps (opt-in, SLOSERVE_SGLANG_LENGTHS=per-request:
+    issue #17 is not finished, see docs/design.md sec. 13) or one k per batch (the default)."""
+    mode = os.environ.get(ENV_LENGTHS, "uniform")
+    if mode not in ("per-request", "uniform"):
+        raise ValueError(f"{ENV_LENGTHS} must be per-request or uniform, got {mode!r}")
+    return mode == "per-request" and not os.environ.get(ENV_SWEEP)

@@ -1,6 +1,20 @@
 """The SPECSERVE speculative worker inside SGLang's scheduler (imports SGLang: loaded only by
 the algorithm's factory, in SGLang's scheduler process).
 
+Per-request steps (opt-in, SLOSERVE_SGLANG_LENGTHS=per-request; settings.per_request_lengths):
+the controller plans the batch
+(`begin`); if anyone drafts position 1 the worker prepares k_max rounds and the plan decides
+after every round whether the batch drafts on (`after_round`, with the draft's real
+probability of each proposed token); the worker then switches to the runtime state of the
+rounds really drafted, asks the plan's confidence-prior elimination for each request's
+verify length k_r (`verify_lengths`, 0 <= k_r <= s_r) and runs SGLang's verify with
+SGLang's RaggedVerifyLayout on the verify input: the target forward reads only the
+sum(k_r + 1) verified tokens (intel_amx's extend metadata taken from the layout), its
+logits go back into SGLang's [bs, s + 1] verify rows, and each request's chain is cut after
+its k_r-th draft (retrieve_next_token = -1) so SGLang's acceptance stops there and takes the
+bonus token from the target at that position. KV slots of trimmed and rejected drafts stay
+in the request's reserved window, released as SGLang does for rejected drafts.
+
 It is SGLang's STANDALONE worker (the user's draft model, EAGLE-v2 schema, topk 1 chains)
 with the draft's KV aligned to the sequence (draft_chain.py) and SGLang's AdaptiveController switching pre-built runtime states (one per step count
 0..k_max; 0 = plain decoding) to the draft length sloserve's controller chose for each decode
@@ -18,13 +32,17 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
+from sglang.srt.layers.attention.intel_amx_backend import IntelAMXAttnBackend
 from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
+from sglang.srt.speculative import eagle_worker_common
 from sglang.srt.speculative.adaptive_runtime_state import AdaptiveController
+from sglang.srt.speculative.ragged_verify import RaggedVerifyLayout
 from sglang.srt.speculative.standalone_worker_v2 import StandaloneWorkerV2
 
 from sloserve.sglang_plugin import settings
+from sloserve.sglang_plugin.chain_sampling import processed_probs, verify_chains
 from sloserve.sglang_plugin.controller import SGLangStepsPolicy, StepController
-from sloserve.sglang_plugin.draft_chain import AlignedDraft
+from sloserve.sglang_plugin.draft_chain import AlignedDraft, sampled_batch
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +69,31 @@ def _timed(fn: Callable, record: Callable[[float], None], device: torch.device) 
     return run
 
 
+def _ragged_extend_metadata(original: Callable) -> Callable:
+    """IntelAMXAttnBackend._build_extend_metadata that reads a TARGET_VERIFY batch's extend
+    lengths from its spec input's RaggedVerifyLayout when it has one (SGLang's CPU backend
+    assumes draft_token_num tokens per request)."""
+
+    @functools.wraps(original)
+    def build(self: Any, forward_batch: Any) -> Any:
+        spec = forward_batch.spec_info
+        layout = getattr(spec, "ragged_verify_layout", None)
+        if layout is None or not forward_batch.forward_mode.is_target_verify():
+            return original(self, forward_batch)
+        lens = layout.verify_lens.to(torch.int32)
+        tree_mask = None  # topk-1 chains: the kernel's causal mask
+        return (forward_batch.seq_lens + lens, lens, layout.extend_start_loc.to(torch.int32),
+                tree_mask)
+
+    build.sloserve_ragged = True  # type: ignore[attr-defined]
+    return build
+
+
+if not getattr(IntelAMXAttnBackend._build_extend_metadata, "sloserve_ragged", False):
+    IntelAMXAttnBackend._build_extend_metadata = _ragged_extend_metadata(  # type: ignore[method-assign]
+        IntelAMXAttnBackend._build_extend_metadata)
+
+
 class SpecServeWorker(StandaloneWorkerV2):
     def __init__(self, server_args, gpu_id, nccl_port, target_worker) -> None:
         super().__init__(server_args, gpu_id, nccl_port, target_worker)
@@ -64,8 +107,13 @@ class SpecServeWorker(StandaloneWorkerV2):
         self.adaptive_controller = AdaptiveController(self, SGLangStepsPolicy(self.controller))
         ctl, dev = self.controller, torch.device(self.device)
         dw = self._draft_worker
+        self.per_request = settings.per_request_lengths()
         # the draft's KV aligned with the sequence (draft_chain.py), then timed
-        AlignedDraft(dw, self.speculative_num_steps).install()
+        self.aligned = AlignedDraft(dw, self.speculative_num_steps,
+                                    on_round=self._after_round if self.per_request else None,
+                                    on_stop=self._rounds_done)
+        self.aligned.install()
+        self.test_accept_all = settings.test_accept_all()
         dw.draft = _timed(dw.draft, lambda s: ctl.add_times(draft=s), dev)
         dw._draft_extend_for_decode = _timed(dw._draft_extend_for_decode,
                                              lambda s: ctl.add_times(extend=s), dev)
@@ -79,9 +127,115 @@ class SpecServeWorker(StandaloneWorkerV2):
             reqs = batch.reqs
             seq_lens = (batch.seq_lens_cpu if getattr(batch, "seq_lens_cpu", None) is not None
                         else batch.seq_lens).tolist()
-            self.controller.decide([r.rid for r in reqs], seq_lens,
-                                   [settings.request_tpot_slo(r.sampling_params) for r in reqs])
+            slos = [settings.request_tpot_slo(r.sampling_params) for r in reqs]
+            if self.per_request:
+                self.controller.begin([r.rid for r in reqs], seq_lens, slos)
+            else:
+                self.controller.decide([r.rid for r in reqs], seq_lens, slos)
         return super().forward_batch_generation(batch, *args, **kwargs)
+
+    # ----- per-request steps
+    def _after_round(self, conf: torch.Tensor) -> bool:
+        return self.controller.after_round(conf.tolist())
+
+    def _rounds_done(self, rounds: int) -> None:
+        assert self.adaptive_controller is not None
+        self.adaptive_controller._activate(rounds)
+
+    def verify(self, batch, *args: Any, **kwargs: Any):
+        if batch.forward_mode.is_idle() or not self.per_request or not sampled_batch(batch):
+            return self._verify_lengths(batch, *args, **kwargs)
+        # SGLang's verify commits the argmax on CPUs: SPECSERVE samples (chain_sampling.py;
+        # per-request mode only, where the draft rounds keep each proposal's distribution)
+        original = eagle_worker_common.eagle_sample
+        eagle_worker_common.eagle_sample = self._sample  # type: ignore[attr-defined]
+        try:
+            return self._verify_lengths(batch, *args, **kwargs)
+        finally:
+            eagle_worker_common.eagle_sample = original  # type: ignore[attr-defined]
+
+    def _sample(self, verify_input: Any, batch: Any, logits_output: Any, *args: Any,
+                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """eagle_sample's contract (predict [bs * n], accept_lens [bs] with the bonus,
+        accept_index [bs, depth] flat rows, -1 padded) from chain_sampling's rule."""
+        bs, n = len(batch.seq_lens), int(verify_input.draft_token_num)
+        si = batch.sampling_info
+        logits = logits_output.next_token_logits  # [bs * n, V]
+        V = logits.shape[-1]
+        p = processed_probs(logits, si.temperatures.reshape(-1).repeat_interleave(n),
+                            si.top_ks.repeat_interleave(n), si.top_ps.repeat_interleave(n))
+        cand = verify_input.draft_token.reshape(bs, n).to(torch.int64)
+        q = self.aligned.last_q
+        if n == 1 or q is None:
+            q = logits.new_zeros((bs, 0, V))
+        d = self.controller.pending
+        k = (d.verified.tolist() if d is not None and d.verified is not None
+             and len(d.verified) == bs else [n - 1] * bs)
+        accepted, final = verify_chains(p.reshape(bs, n, V), cand[:, 1:], q.float(), k,
+                                        accept_all=self.test_accept_all)
+        dev = logits.device
+        predict = torch.zeros(bs * n, dtype=torch.int32, device=dev)
+        accept_index = torch.full((bs, verify_input.max_tree_depth), -1, dtype=torch.int32,
+                                  device=dev)
+        for r, (m, t) in enumerate(zip(accepted, final)):
+            rows = torch.arange(r * n, r * n + m + 1, dtype=torch.int32, device=dev)
+            accept_index[r, : m + 1] = rows
+            predict[r * n: r * n + m] = cand[r, 1: m + 1].to(torch.int32)
+            predict[r * n + m] = t
+        accept_lens = torch.tensor(accepted, dtype=torch.int32, device=dev) + 1
+        return predict, accept_lens, accept_index
+
+    def _verify_lengths(self, batch, *args: Any, **kwargs: Any):
+        d = self.controller.pending
+        vi = batch.spec_info
+        if not self.per_request or d is None or d.drafted is None \
+                or batch.forward_mode.is_idle() or len(d.rids) != len(batch.reqs):
+            return super().verify(batch, *args, **kwargs)
+        k = self.controller.verify_lengths()  # [B] k_r <= s_r
+        n = int(vi.draft_token_num)  # s + 1
+        if n <= 1 or int(k.min()) >= n - 1:
+            return super().verify(batch, *args, **kwargs)  # everything drafted is verified
+        return self._ragged_verify(batch, k, n, *args, **kwargs)
+
+    def _ragged_verify(self, batch, k, n: int, *args: Any, **kwargs: Any):
+        vi = batch.spec_info
+        bs = len(k)
+        dev = torch.device(self.device)
+        lens = (k + 1).tolist()
+        # SGLang's acceptance walks retrieve_next_token: cut each chain after its k_r-th draft
+        cut = torch.as_tensor(k, dtype=torch.long, device=dev)
+        vi.retrieve_next_token[torch.arange(bs, device=dev), cut] = -1
+        layout = RaggedVerifyLayout.from_verify_lens(verify_lens_cpu=lens, device=dev,
+                                                     grid=[bs * n])
+        keep = (torch.arange(n, device=dev)[None, :] < (cut + 1)[:, None]).reshape(-1)
+        idx = keep.nonzero().squeeze(1)  # [sum(k_r + 1)] rows of the [bs * n] verify block
+        tw = self.target_worker
+        forward = tw.forward_batch_generation
+
+        def ragged_forward(*fargs: Any, forward_batch: Any = None, **fkw: Any) -> Any:
+            fb = forward_batch
+            fb.input_ids = fb.input_ids[idx]
+            fb.positions = fb.positions[idx]
+            fb.out_cache_loc = fb.out_cache_loc[idx]
+            fb.global_num_token_non_padded_cpu = int(idx.numel())
+            if fb.global_num_token_non_padded is not None:
+                fb.global_num_token_non_padded = torch.tensor(
+                    int(idx.numel()), dtype=torch.int32, device=dev)
+            out = forward(*fargs, forward_batch=fb, **fkw)
+            lo = out.logits_output
+            logits = lo.next_token_logits
+            full = logits.new_zeros((bs * n, logits.shape[-1]))
+            full[idx] = logits  # trimmed rows are never read: their chains were cut
+            lo.next_token_logits = full
+            return out
+
+        vi.ragged_verify_layout = layout
+        tw.forward_batch_generation = ragged_forward
+        try:
+            return super().verify(batch, *args, **kwargs)
+        finally:
+            del tw.forward_batch_generation
+            vi.ragged_verify_layout = None
 
     def on_verify_complete_cpu(self, num_correct_drafts_per_req: list[int],
                                batch_size: int = 0) -> None:
@@ -104,4 +258,6 @@ class SpecServeOutputStreamer(SchedulerOutputStreamer):
 
     def build_additional_customized_info(self, reqs) -> dict[str, list]:
         ctl = ACTIVE[0]
-        return {"sloserve_draft_steps": [ctl.take_steps(r.rid, r.finished()) for r in reqs]}
+        drafted = [ctl.take_drafted(r.rid) for r in reqs]
+        return {"sloserve_drafted": drafted,
+                "sloserve_draft_steps": [ctl.take_steps(r.rid, r.finished()) for r in reqs]}

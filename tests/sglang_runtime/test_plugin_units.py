@@ -114,3 +114,44 @@ def test_launch_command_for_the_built_in_pair_on_cpu(monkeypatch):
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and "cpu_shim" in env["PYTHONPATH"]
     plain, _ = sglang_args(["--spec-policy", "ar"])
     assert "--speculative-algorithm" not in plain and "--disable-overlap-schedule" not in plain
+
+
+def _per_request_step(ctl: StepController, rids: list[str], lens: list[int],
+                      conf: np.ndarray) -> tuple[int, np.ndarray]:
+    """One per-request step with the given [B, k_max] confidences: rounds drafted, k_r."""
+    k = ctl.begin(rids, lens, [None] * len(rids))
+    rounds = 0
+    while k and rounds < k and ctl.after_round(conf[:, rounds]):
+        rounds += 1
+    return ctl.pending.k if k else 0, ctl.verify_lengths()
+
+
+def test_per_request_step_stops_drafting_and_trims_lowest_chain_probabilities():
+    ctl = _controller(k_max=4)
+    rids = [f"r{i}" for i in range(6)]
+    confident = np.full((6, 4), 0.97)
+    confident[3:] = 0.02  # three requests whose draft the target will hardly accept
+    for _ in range(30):  # learn the calibration: confident drafts accepted, the others not
+        rounds, k = _per_request_step(ctl, rids, [300] * 6, confident)
+        d = ctl.pending
+        accepted = np.where(np.arange(6) < 3, k, 0)
+        ctl.feedback(accepted.tolist())
+    rounds, k = _per_request_step(ctl, rids, [300] * 6, confident)
+    d = ctl.pending
+    assert 1 <= rounds <= 4 and (d.drafted <= rounds).all() and (k <= d.drafted).all()
+    assert k[:3].min() > k[3:].max()  # the unlikely drafts go first
+    P = d.plan.P[:rounds].T
+    kept = [P[r, j] for r in range(6) for j in range(k[r])]
+    trimmed = [P[r, j] for r in range(6) for j in range(k[r], d.drafted[r])]
+    assert not trimmed or max(trimmed) <= min(kept)
+    ctl.feedback([int(x) for x in k[:3]] + [0, 0, 0])
+    assert ctl.take_steps("r0", finished=False)[-1] == k[0]
+
+
+def test_forced_lengths_are_a_test_setting_that_drafts_k_max():
+    ctl = StepController(make_policy("specserve", COST, k_max=4), 4, forced_lengths=(0, 4, 2))
+    rids = ["a", "b", "c", "d"]
+    rounds, k = _per_request_step(ctl, rids, [50] * 4, np.full((4, 4), 0.5))
+    assert rounds == 4 and sorted(k.tolist()[:3]) == [0, 2, 4]
+    ctl.feedback([0, 3, 1, 0])
+    assert ctl.take_drafted("b") == [4]

@@ -1,0 +1,90 @@
+"""SPECSERVE's per-request verify lengths inside SGLang 0.5.23's own server on this CPU (issue
+17): the plan stops drafting round by round, each request verifies its own k_r + 1 tokens
+through SGLang's RaggedVerifyLayout, with the draft's real confidences and an online
+calibration map.
+
+Servers (one set per module, started as a user does, `python -m sloserve.launch --engine
+sglang`): SGLang without speculation (the reference), SPECSERVE with the TEST-ONLY setting
+SLOSERVE_SGLANG_TEST_VERIFY_LENS (every request drafts k_max = 4 and batch row i verifies
+FORCED[(i + n) % 6] drafts in the n-th step: 0 and 4 in one batch), and SPECSERVE as it runs (its own
+plan). Both SPECSERVE servers write their per-step decisions to a step log
+(SLOSERVE_SGLANG_STEP_LOG) that the tests read."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.sglang_runtime.test_specserve_server import (
+    TINY_PROFILE,
+    LaunchedServer,
+    _all_at_once,
+    _gen,
+    _prompts,
+)
+
+pytestmark = pytest.mark.timeout(2400)
+
+FORCED = (0, 4, 1, 3, 2, 4)
+
+
+@pytest.fixture(scope="module")
+def ragged(sglang_python, tiny_sglang_pair, tmp_path_factory):
+    target, draft = tiny_sglang_pair
+    logs = tmp_path_factory.mktemp("ragged_logs")
+    pair = ["--model-path", target, "--draft-model-path", draft]
+    spec_env = {"SLOSERVE_PROFILE": str(TINY_PROFILE), "SLOSERVE_SGLANG_LENGTHS": "per-request"}
+    specs = {
+        "plain": (pair + ["--spec-policy", "ar"], {}),
+        "forced": (pair + ["--k-max", "4"], {
+            **spec_env, "SLOSERVE_SGLANG_TEST_VERIFY_LENS": ",".join(map(str, FORCED)),
+            "SLOSERVE_SGLANG_STEP_LOG": str(logs / "forced.jsonl")}),
+        "natural": (pair + ["--k-max", "4"], {
+            **spec_env, "SLOSERVE_SGLANG_STEP_LOG": str(logs / "natural.jsonl")}),
+    }
+    started: dict[str, LaunchedServer] = {}
+    for name in ("plain", "forced"):
+        args, env = specs[name]
+        started[name] = LaunchedServer(sglang_python, args, logs / f"{name}.log", env)
+    for s in list(started.values()):
+        s.wait()
+
+    def get(name: str) -> LaunchedServer:
+        if name not in started:
+            for other in [n for n in started if n not in (name, "plain")]:
+                started.pop(other).stop()
+            args, env = specs[name]
+            started[name] = LaunchedServer(sglang_python, args, logs / f"{name}.log", env)
+            started[name].wait()
+        return started[name]
+
+    get.step_log = lambda name: [json.loads(x) for x in  # type: ignore[attr-defined]
+                                 (logs / f"{name}.jsonl").read_text().splitlines()]
+    yield get
+    for s in started.values():
+        s.stop()
+
+
+def test_greedy_equals_plain_with_0_and_4_verified_drafts_in_one_batch(ragged):
+    plain, forced = ragged("plain"), ragged("forced")
+    batch = _prompts(12, seed=71)
+    want = [g["output_ids"] for g in _all_at_once(plain, batch)]
+    got = _all_at_once(forced, batch)
+    assert [g["output_ids"] for g in got] == want
+    alone = _prompts(3, seed=72)
+    assert [_gen(forced, p)["output_ids"] for p in alone] == \
+        [_gen(plain, p)["output_ids"] for p in alone]
+    steps = ragged.step_log("forced")
+    mixed = [s for s in steps if 0 in s["verified"] and max(s["verified"]) >= 4]
+    assert len(mixed) >= 10, [s["verified"] for s in steps[:20]]
+    for s in steps:
+        assert all(v <= d and v in FORCED for v, d in zip(s["verified"], s["drafted"]))
+        assert all(a <= v for a, v in zip(s["accepted"], s["verified"]))
+    assert {v for s in steps if len(s["rids"]) == 1 for v in s["verified"]} == set(FORCED)
+    # per-request meta_info counts what each request verified, not k_max per step
+    for g in got:
+        m = g["meta_info"]
+        verified = sum(m["sloserve_draft_steps"])
+        assert m["spec_num_correct_drafts"] <= verified
+        assert len(m["sloserve_draft_steps"]) == m["spec_verify_ct"]

@@ -1,0 +1,95 @@
+"""Sampling through SPECSERVE inside SGLang 0.5.23's own server keeps the target's
+distribution (issue 17, A2): a chi-square homogeneity test between the first generated
+tokens of SGLang without speculation and of SPECSERVE (per-request verify lengths, sampled
+drafts, chain_sampling.py's acceptance rule), on the tiny pair with top-k 6 so every
+position has at most six outcomes. Both SPECSERVE servers run the TEST-ONLY forced lengths
+(every request drafts 4, rows verify 0, 4, 1, 3, 2, 4 drafts in rotation: mixed lengths in
+every batch), so the rule is exercised on every step; the natural plan speculates little on
+this pair at temperature 1. The same test fails for a deliberately wrong rule (every
+draft accepted: SLOSERVE_SGLANG_TEST_ACCEPT_ALL, test only), so it has the power to see a
+broken rule. SGLang's own EAGLE verify would not pass: it commits the argmax on CPUs."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from scipy.stats import chi2_contingency
+
+from tests.sglang_runtime.test_specserve_server import TINY_PROFILE, LaunchedServer, _post
+
+pytestmark = pytest.mark.timeout(2400)
+
+PROMPT = [101, 202, 303, 404, 505, 606, 707, 808]
+SAMPLING = {"temperature": 1.0, "top_k": 6, "max_new_tokens": 4, "ignore_eos": True}
+N = 1200  # samples per server
+BATCH = 6  # requests per /generate call (SGLang batches them; larger batches speculate less)
+ALPHA = 1e-3
+
+
+@pytest.fixture(scope="module")
+def sampling_servers(sglang_python, tiny_sglang_pair, tmp_path_factory):
+    target, draft = tiny_sglang_pair
+    logs = tmp_path_factory.mktemp("sampling_logs")
+    pair = ["--model-path", target, "--draft-model-path", draft]
+    env = {"SLOSERVE_PROFILE": str(TINY_PROFILE), "SLOSERVE_SGLANG_TEST_VERIFY_LENS": "0,4,1,3,2,4",
+           "SLOSERVE_SGLANG_LENGTHS": "per-request"}
+    specs = {
+        "plain": (pair + ["--spec-policy", "ar"], {}),
+        "specserve": (pair + ["--k-max", "4"], env),
+        "wrong": (pair + ["--k-max", "4"], {**env, "SLOSERVE_SGLANG_TEST_ACCEPT_ALL": "1"}),
+    }
+    started: dict[str, LaunchedServer] = {}
+    samples: dict[str, Counter] = {}
+
+    def sample(name: str) -> Counter:
+        """Counts of the generated (t1, .., t4) over N requests (the server started on first
+        use, one at a time)."""
+        if name in samples:
+            return samples[name]
+        if name not in started:
+            for other in list(started):
+                started.pop(other).stop()
+            args, e = specs[name]
+            started[name] = LaunchedServer(sglang_python, args, logs / f"{name}.log", e)
+            started[name].wait()
+        server = started[name]
+        counts: Counter = Counter()
+        steps = []
+        for _ in range(N // BATCH):
+            out = _post(server.url, "/generate", {"input_ids": [PROMPT] * BATCH,
+                                                  "sampling_params": SAMPLING})
+            for o in out:
+                counts[tuple(o["output_ids"])] += 1
+                steps += o["meta_info"].get("sloserve_draft_steps", [])
+        samples[name] = counts
+        samples[name + ":steps"] = Counter(steps)
+        return counts
+
+    yield sample
+    for s in started.values():
+        s.stop()
+
+
+def _p_value(a: Counter, b: Counter) -> float:
+    """Chi-square homogeneity of two samples over the union of outcomes, outcomes with
+    fewer than 10 observations in both together merged into one cell."""
+    keys = sorted(set(a) | set(b))
+    big = [k for k in keys if a[k] + b[k] >= 10]
+    rest = [k for k in keys if a[k] + b[k] < 10]
+    table = [[a[k] for k in big] + [sum(a[k] for k in rest)],
+             [b[k] for k in big] + [sum(b[k] for k in rest)]]
+    if table[0][-1] + table[1][-1] == 0:
+        table = [row[:-1] for row in table]
+    return float(chi2_contingency(table)[1])
+
+
+@pytest.mark.parametrize("rule, keeps_distribution", [("specserve", True), ("wrong", False)])
+def test_sampling_keeps_the_target_distribution(sampling_servers, rule, keeps_distribution):
+    plain = sampling_servers("plain")
+    got = sampling_servers(rule)
+    steps = sampling_servers(rule + ":steps")
+    assert sum(k * c for k, c in steps.items()) > N  # drafts verified, in mixed lengths
+    assert steps[0] > 0 and steps[4] > 0
+    p = _p_value(plain, got)
+    assert (p > ALPHA) == keeps_distribution, (rule, p, plain.most_common(5), got.most_common(5))
