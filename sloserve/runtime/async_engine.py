@@ -52,15 +52,30 @@ class _Add:
     prompt: str | Sequence[int]
     params: SamplingParams
     rid: str | None
-    sink: Callable[[RequestOutput | BaseException], None]
+    sink: Callable[[object], bool]  # an output or an exception; False: the caller is gone
     done: Future
+
+
+def _loop_sink(loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> Callable[[object], bool]:
+    """A sink that hands outputs to the caller's event loop. It returns False once that loop
+    is closed (the caller is gone for good): its request is then aborted, and the engine
+    thread must never fail on it."""
+
+    def sink(out: object) -> bool:
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, out)
+        except RuntimeError:  # "Event loop is closed"
+            return False
+        return True
+
+    return sink
 
 
 class AsyncEngine:
     def __init__(self, engine: Engine):
         self.engine = engine
         self._cmds: queue.Queue = queue.Queue()
-        self._sinks: dict[str, Callable] = {}
+        self._sinks: dict[str, Callable[[object], bool]] = {}
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self.failed_steps = 0  # steps that raised and were recovered from
@@ -78,7 +93,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         done: Future = Future()
-        self._submit(_Add(prompt, params, rid, lambda o: loop.call_soon_threadsafe(q.put_nowait, o), done))
+        self._submit(_Add(prompt, params, rid, _loop_sink(loop, q), done))
         try:
             rid = await asyncio.wrap_future(done)
         except asyncio.CancelledError:  # the caller left before the engine took the request
@@ -149,10 +164,14 @@ class AsyncEngine:
             self._dispatch(eng.take_aborted())  # fn may have aborted requests
 
     def _dispatch(self, outs: list[RequestOutput]) -> None:
+        orphaned = False
         for o in outs:
             sink = self._sinks.pop(o.rid, None) if o.finished else self._sinks.get(o.rid)
-            if sink is not None:
-                sink(o)
+            if sink is not None and not sink(o) and not o.finished:
+                self._sinks.pop(o.rid, None)  # nobody listens any more: free its KV now
+                orphaned = self.engine.abort(o.rid) or orphaned
+        if orphaned:  # their abort outputs (finished, so this recursion ends) find no sink
+            self._dispatch(self.engine.take_aborted())
 
     def _loop(self) -> None:
         eng = self.engine

@@ -112,6 +112,33 @@ def test_caller_leaving_before_the_engine_takes_the_request(make_engine, when):
         aeng.shutdown()
 
 
+def test_caller_loop_closing_mid_stream_aborts_its_request(make_engine):
+    """A caller whose event loop closes while its request still streams (a worker thread's
+    asyncio.run ending without closing the stream) must not stop the engine: its request is
+    aborted, its KV blocks return, and the others keep being served."""
+    eng = make_engine(spec_policy="ar")
+    aeng = AsyncEngine(eng)
+    sp = SamplingParams(max_new_tokens=500, temperature=0.0, ignore_eos=True)
+    try:
+        loop = asyncio.new_event_loop()
+        stream = aeng.generate([5, 6, 7], sp)
+        first = loop.run_until_complete(stream.__anext__())
+        assert not first.finished
+        loop.close()  # the stream is left open: the engine's next output meets a closed loop
+        for _ in range(200):
+            state = aeng.call(lambda e: (e.has_work, e.scheduler.alloc.num_used)).result(timeout=30)
+            if state == (False, 0):
+                break
+            time.sleep(0.02)
+        assert aeng.alive
+        assert state == (False, 0)
+        assert eng.stats.requests_aborted == 1 and eng.stats.requests_finished == 1
+        out = asyncio.run(_drain(aeng.generate([5, 6, 7], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))))
+        assert out == 4
+    finally:
+        aeng.shutdown()
+
+
 async def _drain(stream) -> int:
     n = 0
     async for out in stream:
