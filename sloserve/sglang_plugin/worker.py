@@ -42,6 +42,7 @@ from sloserve.sglang_plugin import settings
 from sloserve.sglang_plugin.chain_sampling import processed_probs, verify_chains
 from sloserve.sglang_plugin.controller import SGLangStepsPolicy, StepController
 from sloserve.sglang_plugin.draft_chain import AlignedDraft, sampled_batch
+from sloserve.sglang_plugin.spec_metrics import SpecCounters
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,8 @@ class SpecServeWorker(StandaloneWorkerV2):
         self.controller = settings.make_controller(
             target_path, draft_path, self.speculative_num_steps, str(self.device), dtype)
         ACTIVE[:] = [self.controller]
+        if getattr(server_args, "enable_metrics", False):  # SGLang's /metrics shows them
+            self.controller.on_outcome = SpecCounters(self.speculative_num_steps).record
         # init_cuda_graphs (EAGLEWorkerV2) builds one runtime state per candidate step count
         self.adaptive_controller = AdaptiveController(self, SGLangStepsPolicy(self.controller))
         ctl, dev = self.controller, torch.device(self.device)
