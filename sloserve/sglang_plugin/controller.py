@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -80,6 +80,9 @@ class StepController:
     # a file that gets one JSON line per per-request step (SLOSERVE_SGLANG_STEP_LOG): the
     # verify lengths, chain probabilities and the calibration map, for tests and debugging
     step_log_path: str | None = None
+    # called with each step's [B] drafted, verified, accepted counts (the worker's Prometheus
+    # counters, spec_metrics.py, when SGLang runs with --enable-metrics)
+    on_outcome: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None
 
     def decide(self, rids: Sequence[str], seq_lens: Sequence[int],
                tpot_slos: Sequence[float | None]) -> int:
@@ -191,6 +194,8 @@ class StepController:
             step_time=step_time, draft_time=d.draft_time,
             verify_time=d.verify_time if d.verify_time > 0.0 else None,
         ))
+        if self.on_outcome is not None:
+            self.on_outcome(drafted, verified, accepted)
         if self.step_log_path and d.drafted is not None:
             self._log_step(d, conf, verified, accepted)
         if self.timings_path:

@@ -8,9 +8,9 @@ and the cost profile of SGLang's forwards for the model pair on this device.
     SLOSERVE_PROFILE       a profile file to use instead of the lookup below
     SLOSERVE_SGLANG_SWEEP  profiling only: comma-separated draft lengths to cycle through
     SLOSERVE_SGLANG_TIMINGS profiling only: a file that gets one JSON line of timings a step
-    SLOSERVE_SGLANG_LENGTHS per-request (default: the plan stops drafting round by round and
-                           each request verifies its own k_r, a ragged verify) | uniform (one
-                           k per batch chosen before drafting, issue #13's behaviour)
+    SLOSERVE_SGLANG_LENGTHS uniform (default: one k per batch chosen before drafting) |
+                           per-request (opt-in: the plan stops drafting round by round and
+                           each request verifies its own k_r, a ragged verify)
     SLOSERVE_SGLANG_STEP_LOG a file that gets one JSON line per per-request step (verify
                            lengths, the plan's chain probabilities, the calibration map)
     SLOSERVE_SGLANG_TEST_VERIFY_LENS  TEST ONLY: comma-separated k per batch row (cyclic);

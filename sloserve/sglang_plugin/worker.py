@@ -43,6 +43,7 @@ from sloserve.sglang_plugin import settings
 from sloserve.sglang_plugin.chain_sampling import processed_probs, verify_chains
 from sloserve.sglang_plugin.controller import SGLangStepsPolicy, StepController
 from sloserve.sglang_plugin.draft_chain import AlignedDraft, sampled_batch
+from sloserve.sglang_plugin.spec_metrics import SpecCounters
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,8 @@ class SpecServeWorker(StandaloneWorkerV2):
         self.controller = settings.make_controller(
             target_path, draft_path, self.speculative_num_steps, str(self.device), dtype)
         ACTIVE[:] = [self.controller]
+        if getattr(server_args, "enable_metrics", False):  # SGLang's /metrics shows them
+            self.controller.on_outcome = SpecCounters(self.speculative_num_steps).record
         # init_cuda_graphs (EAGLEWorkerV2) builds one runtime state per candidate step count
         self.adaptive_controller = AdaptiveController(self, SGLangStepsPolicy(self.controller))
         ctl, dev = self.controller, torch.device(self.device)
@@ -143,10 +146,10 @@ class SpecServeWorker(StandaloneWorkerV2):
         self.adaptive_controller._activate(rounds)
 
     def verify(self, batch, *args: Any, **kwargs: Any):
-        if batch.forward_mode.is_idle() or not self.per_request or not sampled_batch(batch):
+        if batch.forward_mode.is_idle() or not sampled_batch(batch):
             return self._verify_lengths(batch, *args, **kwargs)
-        # SGLang's verify commits the argmax on CPUs: SPECSERVE samples (chain_sampling.py;
-        # per-request mode only, where the draft rounds keep each proposal's distribution)
+        # SGLang's verify commits the argmax on CPUs: SPECSERVE samples (chain_sampling.py,
+        # in both modes: AlignedDraft keeps each proposal's distribution q)
         original = eagle_worker_common.eagle_sample
         eagle_worker_common.eagle_sample = self._sample  # type: ignore[attr-defined]
         try:

@@ -5,7 +5,8 @@ drafts, chain_sampling.py's acceptance rule), on the tiny pair with top-k 6 so e
 position has at most six outcomes. Both SPECSERVE servers run the TEST-ONLY forced lengths
 (every request drafts 4, rows verify 0, 4, 1, 3, 2, 4 drafts in rotation: mixed lengths in
 every batch), so the rule is exercised on every step; the natural plan speculates little on
-this pair at temperature 1. The same test fails for a deliberately wrong rule (every
+this pair at temperature 1. The default uniform mode (one k per batch) samples by the same
+rule; its server cycles k through 0..4 (the profiler's sweep). The same test fails for a deliberately wrong rule (every
 draft accepted: SLOSERVE_SGLANG_TEST_ACCEPT_ALL, test only), so it has the power to see a
 broken rule. SGLang's own EAGLE verify would not pass: it commits the argmax on CPUs."""
 
@@ -38,6 +39,10 @@ def sampling_servers(sglang_python, tiny_sglang_pair, tmp_path_factory):
         "plain": (pair + ["--spec-policy", "ar"], {}),
         "specserve": (pair + ["--k-max", "4"], env),
         "wrong": (pair + ["--k-max", "4"], {**env, "SLOSERVE_SGLANG_TEST_ACCEPT_ALL": "1"}),
+        # the default mode (one k per batch), its k forced in rotation by the profiler's sweep
+        "uniform": (pair + ["--k-max", "4"], {"SLOSERVE_PROFILE": str(TINY_PROFILE),
+                                              "SLOSERVE_SGLANG_LENGTHS": "uniform",
+                                              "SLOSERVE_SGLANG_SWEEP": "0,4,1,3,2,4"}),
     }
     started: dict[str, LaunchedServer] = {}
     samples: dict[str, Counter] = {}
@@ -84,7 +89,8 @@ def _p_value(a: Counter, b: Counter) -> float:
     return float(chi2_contingency(table)[1])
 
 
-@pytest.mark.parametrize("rule, keeps_distribution", [("specserve", True), ("wrong", False)])
+@pytest.mark.parametrize("rule, keeps_distribution",
+                         [("specserve", True), ("uniform", True), ("wrong", False)])
 def test_sampling_keeps_the_target_distribution(sampling_servers, rule, keeps_distribution):
     plain = sampling_servers("plain")
     got = sampling_servers(rule)

@@ -1,0 +1,225 @@
+"""SGLang + SPECSERVE against SGLang's own speculation and plain decoding, closed loop, on one
+machine in one run (issue #17, acceptance 4). Takes about 20-25 minutes on a 2-core CPU
+with the defaults (four servers started one after another, 60-120 s each).
+
+    python -m sloserve.bench.sglang_specserve [--levels 1,4,16] [--repeats 3]
+        [--new-tokens 64] [--prompt-tokens 128] [--model-path T --draft-model-path D] [--out out/...json]
+
+Systems, each SGLang 0.5.23's own server (`python -m sloserve.launch --engine sglang`, the
+CPU engine's flags added on machines without CUDA), float32, the same model pair:
+
+    plain         SGLang without speculation (--spec-policy ar)
+    standalone:1  SGLang's STANDALONE speculation (the draft model, topk 1), 1 draft step
+    standalone:3  the same, 3 draft steps
+    specserve     SPECSERVE in its default mode (sloserve's controller: one draft length
+                  per batch and step, k_max 4), its cost profile of SGLang's forwards if one
+                  is in the user cache (python -m sloserve.profiler --engine sglang),
+                  corrected online
+    specserve:per-request  the same with SLOSERVE_SGLANG_LENGTHS=per-request (the plan stops
+                  drafting round by round; per-request verify lengths, a ragged verify)
+
+SGLang's own adaptive speculation (`--speculative-adaptive`) applies only to EAGLE/EAGLE3
+in 0.5.23 (speculative/adaptive_spec_params.py: adaptive_unsupported_reason); with
+STANDALONE SGLang logs that it falls back to static steps, so it is not a separate system
+here.
+
+Load: a closed loop of C clients (C = each level); each sends an ordinary prompt (Spec-Bench
+questions when beside the checkout, cut to --prompt-tokens of the target's tokenizer) asking for --new-tokens greedy tokens (ignore_eos) and
+sends the next when its answer arrives, until max(4 C, 8) requests finished. tok/s =
+completion tokens / wall seconds of the loop. Each level is measured --repeats times after a
+warm-up loop (compiles, caches, SPECSERVE's calibration and online correction) and the
+median reported. The servers run one at a time (memory); run it on a quiet machine (CPU
+contention slows SGLang's steps 20x). Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from sloserve.bench.common import machine_info, ordinary_prompts, print_table, write_json
+from sloserve.sglang_plugin.cpu_server import stop_server, wait_ready
+
+REPO = Path(__file__).resolve().parents[2]
+SYSTEMS = ("plain", "standalone:1", "standalone:3", "specserve", "specserve:per-request")
+
+
+def sglang_python() -> str:
+    """The python of SGLang's runtime environment (scripts/sglang_runtime_env.sh)."""
+    explicit = os.environ.get("SLOSERVE_SGLANG_PYTHON")
+    if explicit:
+        return explicit
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "sglang_runtime_env.sh"),
+                           "--no-create"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit("needs SGLang's runtime environment: bash scripts/sglang_runtime_env.sh")
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def system_args(system: str, target: str, draft: str) -> list[str]:
+    """`python -m sloserve.launch --engine sglang` options of one system."""
+    pair = ["--model-path", target, "--draft-model-path", draft]
+    if system == "plain":
+        return pair + ["--spec-policy", "ar"]
+    if system.startswith("specserve"):
+        return pair + ["--k-max", "4"]
+    steps = int(system.split(":")[1])  # SGLang's own: sloserve adds nothing (ar) but the CPU
+    return ["--model-path", target, "--spec-policy", "ar",  # engine's flags
+            "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", draft,
+            "--speculative-num-steps", str(steps), "--speculative-eagle-topk", "1",
+            "--speculative-num-draft-tokens", str(steps + 1)]
+
+
+class Server:
+    def __init__(self, python: str, args: list[str], port: int, log: Path,
+                 extra_env: dict[str, str] | None = None) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = log
+        env = {**os.environ, **(extra_env or {})}
+        # the checkout's sloserve in SGLang's processes (its plugin and SPECSERVE worker)
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+        cmd = [python, "-m", "sloserve.launch", "--engine", "sglang", "--port", str(port),
+               "--dtype", "float32", "--log-level", "warning", *args]
+        self.proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=open(log, "wb"),  # noqa: SIM115
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait(self) -> None:
+        try:
+            wait_ready(self.url, self.proc, 1800)
+        except Exception:
+            print(self.log.read_text(errors="replace")[-4000:], file=sys.stderr)
+            raise
+
+    def generate(self, ids: list[int], new_tokens: int) -> dict:
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": new_tokens,
+                                                  "temperature": 0, "ignore_eos": True}}
+        req = urllib.request.Request(self.url + "/generate", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=3600) as r:
+            return json.loads(r.read())
+
+    def stop(self) -> None:
+        stop_server(self.proc, 60)
+
+
+def closed_loop(server: Server, prompts: list[list[int]], concurrency: int, n: int,
+                new_tokens: int) -> dict:
+    """n requests, `concurrency` in flight; tok/s over the loop's wall time."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        outs = list(pool.map(lambda i: server.generate(prompts[i % len(prompts)], new_tokens),
+                             range(n)))
+    wall = time.perf_counter() - t0
+    metas = [o["meta_info"] for o in outs]
+    tokens = sum(m["completion_tokens"] for m in metas)
+    verify = sum(m.get("spec_verify_ct", 0) for m in metas)
+    steps = [k for m in metas for k in m.get("sloserve_draft_steps", [])]
+    return {"tok_s": tokens / wall, "wall": wall, "requests": n, "tokens": tokens,
+            "accept_len": tokens / verify if verify else None,
+            "mean_k": statistics.mean(steps) if steps else None}
+
+
+def run_system(system: str, python: str, target: str, draft: str, levels: list[int],
+               repeats: int, new_tokens: int, prompts: list[list[int]], logs: Path,
+               port: int) -> dict[int, list[dict]]:
+    lengths = system.split(":")[1] if system.startswith("specserve:") else "uniform"
+    server = Server(python, system_args(system, target, draft), port,
+                    logs / f"{system.replace(':', '-')}.log",
+                    {"SLOSERVE_SGLANG_LENGTHS": lengths})
+    t0 = time.monotonic()
+    try:
+        server.wait()
+        print(f"[{system}] server up in {time.monotonic() - t0:.0f} s; warm-up", flush=True)
+        closed_loop(server, prompts, max(levels), 2 * max(levels), new_tokens)
+        closed_loop(server, prompts, 1, 2, new_tokens)
+        out: dict[int, list[dict]] = {c: [] for c in levels}
+        for rep in range(repeats):
+            for c in levels:
+                r = closed_loop(server, prompts, c, max(4 * c, 8), new_tokens)
+                out[c].append(r)
+                print(f"[{system}] repeat {rep + 1}/{repeats} concurrency {c}: "
+                      f"{r['tok_s']:.1f} tok/s ({r['wall']:.1f} s)", flush=True)
+        return out
+    finally:
+        server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sloserve.bench.sglang_specserve",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--levels", default="1,4,16")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=128, help="prompts cut to this")
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--model-path", default=None, help="target (default: the built-in pair)")
+    p.add_argument("--draft-model-path", default=None)
+    p.add_argument("--port", type=int, default=31877)
+    p.add_argument("--out", default="out/bench_sglang_specserve.json")
+    args = p.parse_args(argv)
+    levels = [int(x) for x in args.levels.split(",")]
+    systems = args.systems.split(",")
+    target, draft = args.model_path, args.draft_model_path
+    if target is None:
+        from sloserve.runtime.models.builtin import ensure_builtin_pair
+
+        bt, bd = ensure_builtin_pair()
+        target, draft = str(bt), draft or str(bd)
+    assert draft is not None, "--draft-model-path"
+    python = sglang_python()
+    logs = Path(args.out).parent / "sglang_specserve_logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    print(f"SGLang closed loop: {systems} at concurrency {levels}, {args.repeats} repeats, "
+          f"{args.new_tokens} tokens a request; about 20-25 minutes on 2 cores (server logs "
+          f"in {logs})", flush=True)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(target) / "tokenizer.json"))
+    prompts = [tok.encode(p).ids[: args.prompt_tokens] for p in ordinary_prompts(64)]
+    t0 = time.monotonic()
+    results = {s: run_system(s, python, target, draft, levels, args.repeats, args.new_tokens,
+                             prompts, logs, args.port) for s in systems}
+    rows, summary = [], {}
+    for c in levels:
+        med = {s: statistics.median(r["tok_s"] for r in results[s][c]) for s in systems}
+        best = max(med.values())
+        for s in systems:
+            runs = results[s][c]
+            acc = [r["accept_len"] for r in runs if r["accept_len"] is not None]
+            ks = [r["mean_k"] for r in runs if r["mean_k"] is not None]
+            rows.append([c, s, f"{med[s]:.1f}", f"{med[s] / best:.3f}",
+                         f"{med[s] / med['plain']:.3f}" if "plain" in med else "-",
+                         f"{statistics.median(acc):.2f}" if acc else "-",
+                         f"{statistics.median(ks):.2f}" if ks else "-",
+                         " ".join(f"{r['tok_s']:.0f}" for r in runs)])
+        summary[c] = med
+    print_table(["C", "system", "tok/s (median)", "vs best", "vs plain", "tokens/verify",
+                 "mean k", "repeats tok/s"], rows)
+    ours = [s for s in systems if s.startswith("specserve")]
+    for c in levels:
+        m = summary[c]
+        others = [v for s, v in m.items() if not s.startswith("specserve")]
+        for s in ours:
+            line = f"concurrency {c}: {s}"
+            if others:
+                line += f" {m[s] / max(others) - 1:+.1%} vs the best of SGLang's"
+            if "plain" in m:
+                line += f", {m[s] / m['plain'] - 1:+.1%} vs plain"
+            print(line)
+    write_json(args.out, {"machine": machine_info(), "args": vars(args), "target": target,
+                          "draft": draft, "minutes": (time.monotonic() - t0) / 60,
+                          "results": {s: {str(c): v for c, v in r.items()}
+                                      for s, r in results.items()}})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
