@@ -131,6 +131,10 @@ class AlignedDraft:
         drafts, confs, qs = [], [], []
         si = batch.sampling_info
         sampled = sampled_batch(batch)
+        # greedy confidences only when someone reads them (the plan's early stop, a chain
+        # sink): the uniform mode's greedy rounds are a bare argmax, as SGLang's own topk-1
+        # draft off CUDA
+        want_conf = self.on_round is not None or self.on_chain is not None
         for i in range(k):
             fb.input_ids = tokens
             fb.out_cache_loc = locs[i]
@@ -141,10 +145,15 @@ class AlignedDraft:
                 tokens, conf, q = draft_pick(logits, si.temperatures.reshape(-1), si.top_ks,
                                              si.top_ps)
                 qs.append(q)
+            elif want_conf:  # p(argmax) = exp(max - logsumexp): no [bs, V] softmax
+                top, tokens = logits.max(dim=-1)  # [bs] each
+                conf = torch.exp(top.float() - torch.logsumexp(logits.float(), dim=-1))
             else:
-                conf, tokens = torch.softmax(logits.float(), dim=-1).max(dim=-1)  # [bs] each
+                tokens = logits.argmax(dim=-1)  # [bs]
+                conf = None
             drafts.append(tokens)
-            confs.append(conf)
+            if conf is not None:
+                confs.append(conf)
             fb.positions.add_(1)
             if self.on_round is not None and not self.on_round(conf):
                 break  # the plan: one more round would lower the expected goodput
@@ -156,7 +165,7 @@ class AlignedDraft:
             self.on_stop(k)
         draft_tokens = torch.stack(drafts, dim=1)  # [bs, k]
         self.last_q = torch.stack(qs, dim=1) if sampled else None
-        if self.on_chain is not None:
+        if self.on_chain is not None:  # want_conf: a confidence per round
             self.on_chain(draft_tokens, torch.stack(confs, dim=1))
         verify_input = build_eagle_verify_input(
             batch, draft_input, dw._topk1_parents_prealloc[:bs],

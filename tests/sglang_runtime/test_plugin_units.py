@@ -155,3 +155,19 @@ def test_forced_lengths_are_a_test_setting_that_drafts_k_max():
     assert rounds == 4 and sorted(k.tolist()[:3]) == [0, 2, 4]
     ctl.feedback([0, 3, 1, 0])
     assert ctl.take_drafted("b") == [4]
+
+
+def test_closed_loop_benchmark_runs_each_system_as_named():
+    """sloserve.bench.sglang_specserve: SGLang's own STANDALONE gets its own flags and no
+    sloserve speculation; the SPECSERVE systems differ only in the lengths mode."""
+    from sloserve.bench.sglang_specserve import SYSTEMS, system_args
+
+    assert system_args("plain", "T", "D") == ["--model-path", "T", "--draft-model-path", "D",
+                                             "--spec-policy", "ar"]
+    own = system_args("standalone:3", "T", "D")
+    assert own[own.index("--speculative-algorithm") + 1] == "STANDALONE"
+    assert own[own.index("--speculative-num-steps") + 1] == "3"
+    assert own[own.index("--speculative-num-draft-tokens") + 1] == "4"
+    assert "--draft-model-path" not in own and own[own.index("--spec-policy") + 1] == "ar"
+    assert system_args("specserve", "T", "D") == system_args("specserve:per-request", "T", "D")
+    assert {"plain", "standalone:1", "standalone:3", "specserve"} <= set(SYSTEMS)
