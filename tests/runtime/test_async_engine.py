@@ -95,13 +95,7 @@ def test_caller_leaving_before_the_engine_takes_the_request(make_engine, when):
         asyncio.run(main())
         # the abort reaches the engine thread right after the add completes, which can be
         # after this check was queued: poll (the request must go, not necessarily at once)
-        for _ in range(100):
-            state = aeng.call(lambda e: (e.has_work, e.scheduler.alloc.num_used)).result(timeout=30)
-            if state == (False, 0):
-                break
-            time.sleep(0.02)
-        assert aeng.alive
-        assert state == (False, 0)
+        assert _idle_soon(aeng)
         # gone by abort (or never added), not by running its 500 tokens to the end
         assert eng.stats.requests_finished == eng.stats.requests_aborted
         # and it still serves
@@ -125,18 +119,22 @@ def test_caller_loop_closing_mid_stream_aborts_its_request(make_engine):
         first = loop.run_until_complete(stream.__anext__())
         assert not first.finished
         loop.close()  # the stream is left open: the engine's next output meets a closed loop
-        for _ in range(200):
-            state = aeng.call(lambda e: (e.has_work, e.scheduler.alloc.num_used)).result(timeout=30)
-            if state == (False, 0):
-                break
-            time.sleep(0.02)
-        assert aeng.alive
-        assert state == (False, 0)
+        assert _idle_soon(aeng)
         assert eng.stats.requests_aborted == 1 and eng.stats.requests_finished == 1
         out = asyncio.run(_drain(aeng.generate([5, 6, 7], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))))
         assert out == 4
     finally:
         aeng.shutdown()
+
+
+def _idle_soon(aeng: AsyncEngine, tries: int = 200) -> bool:
+    """Polls until the engine has no work and no KV block in use; then whether it is alive."""
+    for _ in range(tries):
+        state = aeng.call(lambda e: (e.has_work, e.scheduler.alloc.num_used)).result(timeout=30)
+        if state == (False, 0):
+            return aeng.alive
+        time.sleep(0.02)
+    return False
 
 
 async def _drain(stream) -> int:
