@@ -154,7 +154,7 @@ def run_system(system: str, python: str, target: str, draft: str, levels: list[i
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sloserve.bench.sglang_specserve",
-                                description=__doc__.split("\n")[0])
+                                description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--levels", default="1,4,16")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=64)
