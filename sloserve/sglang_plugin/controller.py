@@ -24,6 +24,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -166,6 +167,15 @@ class StepController:
             raise TypeError(f"SPECSERVE needs a SpecServe policy, got {self.policy.name!r}")
         return plan, step
 
+    def record_chain(self, confidences: np.ndarray) -> None:
+        """[B, k] the draft's probability of each token of the chain a uniform step just
+        drafted. Profiling only (the worker asks for them when timings are logged): the
+        timing rows carry them with each request's accepted count, and the profiler fits
+        the pair's confidence -> acceptance calibration from them (profile.py)."""
+        d = self.pending
+        if d is not None and d.drafted is None:
+            d.confs = list(np.asarray(confidences, dtype=np.float64).T)
+
     def add_times(self, draft: float = 0.0, extend: float = 0.0, verify: float = 0.0) -> None:
         """Measured seconds of the current step's draft forwards, draft extend and verify."""
         if self.pending is not None:
@@ -184,7 +194,7 @@ class StepController:
             drafted = d.drafted
             verified = d.verified if d.verified is not None else np.zeros(B, dtype=np.int64)
             conf = np.stack(d.confs, axis=1) if d.confs else np.zeros((B, 0))
-        else:
+        else:  # a uniform step: the policy learns from the counts (plan.absorb_counts)
             drafted = np.full(B, k, dtype=np.int64)
             verified, conf = drafted.copy(), np.zeros((B, 0))
         accepted = np.minimum(np.asarray(num_correct_drafts, dtype=np.int64), verified)
@@ -199,12 +209,16 @@ class StepController:
         if self.step_log_path and d.drafted is not None:
             self._log_step(d, conf, verified, accepted)
         if self.timings_path:
+            row: dict[str, Any] = {
+                "batch": B, "context": d.context, "k": k, "draft": d.draft_time,
+                "extend": d.extend_time, "verify": d.verify_time, "step": step_time,
+                "accepted": int(accepted.sum()), "planned_time": d.plan.time}
+            if d.drafted is None and d.confs and len(d.confs) == k:
+                # the chain's confidences [B][k] and each request's accepted drafts
+                row["conf"] = _jsonable(np.stack(d.confs, axis=1))
+                row["accepted_per_request"] = accepted.tolist()
             with open(self.timings_path, "a") as f:
-                f.write(json.dumps({"batch": B, "context": d.context, "k": k,
-                                    "draft": d.draft_time, "extend": d.extend_time,
-                                    "verify": d.verify_time, "step": step_time,
-                                    "accepted": int(accepted.sum()),
-                                    "planned_time": d.plan.time}) + "\n")
+                f.write(json.dumps(row) + "\n")
         for rid, s, v, a in zip(d.rids, drafted.tolist(), verified.tolist(), accepted.tolist()):
             r = self.requests.setdefault(rid, RequestSpec())
             r.unsent.append(v)

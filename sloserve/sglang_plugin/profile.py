@@ -14,6 +14,9 @@ docs/design.md sec. 2 to what SGLang's forwards took:
             the draft extend (one forward over B (k + 1) tokens)
     overhead  the plain steps' seconds outside the verify forward (the draft extend SGLang
             runs at every step included)
+    calibration  the draft's confidence -> conditional acceptance counts of the pair (every
+            drafted chain's confidences against its accepted count), which the SPECSERVE
+            policy's map g starts from (docs/design.md sec. 3)
 
 and writes the profile (keyed by the pair, the device prefixed "sglang-" and the dtype) to
 the user cache (default) or --out, where the SPECSERVE worker finds it (settings.py). Must run
@@ -37,6 +40,9 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
+
+from sloserve.estimator.acceptance import ConfidenceCalibrator
 from sloserve.estimator.profile_file import (
     PROFILES_DIR,
     ModelProfile,
@@ -67,13 +73,31 @@ def fit_rows(rows: Sequence[dict], target_path: str, draft_path: str, device: st
         else:
             plain_rest.append(r["step"] - r["verify"])
     t_fit, d_fit = fit_forward_cost(target), fit_forward_cost(draft)
+    calibration = calibration_counts(rows)
     overhead = statistics.median(plain_rest or rest)
     return Profile(
         target=ModelProfile(target_path, fingerprint(target_path), t_fit.cost, t_fit.stats),
         draft=ModelProfile(draft_path, fingerprint(draft_path), d_fit.cost, d_fit.stats),
         device=settings.sglang_device_key(device), dtype=dtype, overhead=max(0.0, overhead),
         grid={"concurrency": list(levels), "steps": [len(rows)]}, mode="sglang-sweep",
+        calibration=calibration,
     )
+
+
+def calibration_counts(rows: Sequence[dict]) -> tuple[tuple[float, ...], ...] | None:
+    """[2, n_bins] rejected / accepted counts per draft-confidence bin from the rows that
+    carry their chain's confidences (every request verified all k drafts of a sweep step),
+    None if none does."""
+    calib = ConfidenceCalibrator(prior_weight=0.0)
+    for r in rows:
+        conf = r.get("conf")
+        if not conf or r["k"] == 0:
+            continue
+        c = np.array([[np.nan if x is None else x for x in row] for row in conf])  # [B, k]
+        calib.update(c, np.full(len(c), r["k"]), np.asarray(r["accepted_per_request"]))
+    if not calib.counts.sum():
+        return None
+    return tuple(tuple(round(float(x), 3) for x in row) for row in calib.counts)
 
 
 def _post(url: str, body: dict, timeout: float = 1800.0) -> dict:
@@ -168,5 +192,9 @@ def main(argv: Sequence[str]) -> int:
           f"(R^2 {t.fit.r2:.3f}, MAPE {t.fit.mape:.1%})" if t.fit else "")
     print(f"draft:  a={d.cost.a:.3g} b={d.cost.b:.3g} c={d.cost.c:.3g} q0={d.cost.q0:g} "
           f"(R^2 {d.fit.r2:.3f}, MAPE {d.fit.mape:.1%})" if d.fit else "")
+    if profile.calibration is not None:
+        rejected, accepted = (np.asarray(x) for x in profile.calibration)
+        print(f"calibration: {int(rejected.sum() + accepted.sum())} draft positions, "
+              f"acceptance {accepted.sum() / (rejected.sum() + accepted.sum()):.2f}")
     print(f"overhead {profile.overhead * 1e3:.2f} ms; {len(rows)} steps; wrote {path}")
     return 0

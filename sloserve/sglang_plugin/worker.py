@@ -112,7 +112,11 @@ class SpecServeWorker(StandaloneWorkerV2):
         dw = self._draft_worker
         self.per_request = settings.per_request_lengths()
         # the draft's KV aligned with the sequence (draft_chain.py), then timed
+        # profiling (timings logged) also records each chain's confidences: the profiler
+        # fits the pair's calibration from them
+        profiling = bool(ctl.timings_path) and not self.per_request
         self.aligned = AlignedDraft(dw, self.speculative_num_steps,
+                                    on_chain=self._chain_drafted if profiling else None,
                                     on_round=self._after_round if self.per_request else None,
                                     on_stop=self._rounds_done)
         self.aligned.install()
@@ -140,6 +144,9 @@ class SpecServeWorker(StandaloneWorkerV2):
     # ----- per-request steps
     def _after_round(self, conf: torch.Tensor) -> bool:
         return self.controller.after_round(conf.tolist())
+
+    def _chain_drafted(self, tokens: torch.Tensor, conf: torch.Tensor) -> None:
+        self.controller.record_chain(conf.float().cpu().numpy())
 
     def _rounds_done(self, rounds: int) -> None:
         assert self.adaptive_controller is not None
