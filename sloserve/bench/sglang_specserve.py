@@ -17,6 +17,9 @@ CPU engine's flags added on machines without CUDA), float32, the same model pair
                   corrected online
     specserve:per-request  the same with SLOSERVE_SGLANG_LENGTHS=per-request (the plan stops
                   drafting round by round; per-request verify lengths, a ragged verify)
+    specserve:MODE:OPTIONS  MODE (uniform | per-request) with the policy's options set
+                  (SLOSERVE_SPEC_OPTIONS, '+' between name=value pairs), e.g.
+                  specserve:per-request:uniform_margin=0
 
 SGLang's own adaptive speculation (`--speculative-adaptive`) applies only to EAGLE/EAGLE3
 in 0.5.23 (speculative/adaptive_spec_params.py: adaptive_unsupported_reason); with
@@ -78,6 +81,15 @@ def system_args(system: str, target: str, draft: str) -> list[str]:
             "--speculative-num-draft-tokens", str(steps + 1)]
 
 
+def system_env(system: str) -> dict[str, str]:
+    """The SPECSERVE worker's settings of one system (sglang_plugin/settings.py)."""
+    if not system.startswith("specserve"):
+        return {}
+    _, mode, options = (system.split(":", 2) + ["", ""])[:3]
+    return {"SLOSERVE_SGLANG_LENGTHS": mode or "uniform",
+            "SLOSERVE_SPEC_OPTIONS": options.replace("+", ",")}
+
+
 class Server:
     def __init__(self, python: str, args: list[str], port: int, log: Path,
                  extra_env: dict[str, str] | None = None) -> None:
@@ -130,10 +142,8 @@ def closed_loop(server: Server, prompts: list[list[int]], concurrency: int, n: i
 def run_system(system: str, python: str, target: str, draft: str, levels: list[int],
                repeats: int, new_tokens: int, prompts: list[list[int]], logs: Path,
                port: int) -> dict[int, list[dict]]:
-    lengths = system.split(":")[1] if system.startswith("specserve:") else "uniform"
     server = Server(python, system_args(system, target, draft), port,
-                    logs / f"{system.replace(':', '-')}.log",
-                    {"SLOSERVE_SGLANG_LENGTHS": lengths})
+                    logs / f"{system.replace(':', '-')}.log", system_env(system))
     t0 = time.monotonic()
     try:
         server.wait()

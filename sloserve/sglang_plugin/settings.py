@@ -6,6 +6,8 @@ and the cost profile of SGLang's forwards for the model pair on this device.
     SLOSERVE_TPOT_SLO      default TPOT SLO in seconds (unset: none)
     SLOSERVE_SPEC_POLICY   specserve (default) | specserve-drafter
     SLOSERVE_PROFILE       a profile file to use instead of the lookup below
+    SLOSERVE_SPEC_OPTIONS  comma-separated name=value of the policy's SpecServeOptions
+                           (policies/specserve/options.py), e.g. uniform_margin=0
     SLOSERVE_SGLANG_SWEEP  profiling only: comma-separated draft lengths to cycle through
     SLOSERVE_SGLANG_TIMINGS profiling only: a file that gets one JSON line of timings a step
     SLOSERVE_SGLANG_LENGTHS uniform (default: one k per batch chosen before drafting) |
@@ -29,6 +31,7 @@ from measured steps (docs/design.md sec. 6).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -37,7 +40,8 @@ from typing import Any
 from sloserve.estimator.cost_model import CostModel, rough_cost
 from sloserve.estimator.profile_file import Profile, find_profile, model_key, read_profile
 from sloserve.estimator.profile_lookup import default_dirs, device_key, fingerprint
-from sloserve.policies.registry import make_policy
+from sloserve.policies.specserve import SpecServePolicy
+from sloserve.policies.specserve.options import SpecServeOptions
 from sloserve.sglang_plugin.controller import StepController
 
 log = logging.getLogger(__name__)
@@ -45,6 +49,7 @@ log = logging.getLogger(__name__)
 ENV_TPOT_SLO = "SLOSERVE_TPOT_SLO"
 ENV_POLICY = "SLOSERVE_SPEC_POLICY"
 ENV_PROFILE = "SLOSERVE_PROFILE"
+ENV_OPTIONS = "SLOSERVE_SPEC_OPTIONS"
 ENV_SWEEP = "SLOSERVE_SGLANG_SWEEP"
 ENV_TIMINGS = "SLOSERVE_SGLANG_TIMINGS"
 ENV_LENGTHS = "SLOSERVE_SGLANG_LENGTHS"
@@ -118,7 +123,10 @@ def make_controller(target_path: str, draft_path: str, k_max: int, device: str,
     if name not in POLICIES:
         raise ValueError(f"{ENV_POLICY} must be one of {', '.join(POLICIES)}, got {name!r}")
     cost, calibration = load_cost(target_path, draft_path, device, dtype)
-    policy = make_policy(name, cost, k_max=k_max, calibration=calibration)
+    options = SpecServeOptions(**spec_options(os.environ.get(ENV_OPTIONS, "")))
+    policy = SpecServePolicy(cost, k_max, verifier=name == "specserve", options=options)
+    if calibration is not None:
+        policy.seed_calibration(calibration)
     sweep = tuple(int(x) for x in os.environ.get(ENV_SWEEP, "").split(",") if x.strip())
     forced = tuple(int(x) for x in os.environ.get(ENV_TEST_VERIFY_LENS, "").split(",")
                    if x.strip())
@@ -130,9 +138,42 @@ def make_controller(target_path: str, draft_path: str, k_max: int, device: str,
                           step_log_path=os.environ.get(ENV_STEP_LOG) or None)
 
 
+def spec_options(raw: str) -> dict[str, Any]:
+    """SLOSERVE_SPEC_OPTIONS parsed into SpecServeOptions fields (values typed like the
+    fields' defaults); ValueError naming the variable and the field on anything else."""
+    fields = {f.name: f for f in dataclasses.fields(SpecServeOptions)}
+    out: dict[str, Any] = {}
+    for item in filter(None, (x.strip() for x in raw.split(","))):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or name not in fields:
+            raise ValueError(f"{ENV_OPTIONS}: expected name=value with a name among "
+                             f"{', '.join(fields)}, got {item!r}")
+        default = fields[name].default
+        try:
+            if isinstance(default, bool):
+                if value.strip().lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(value)
+                out[name] = value.strip().lower() in ("true", "1")
+            elif isinstance(default, int):
+                out[name] = int(value)
+            elif value.strip().lower() == "none":
+                out[name] = None
+            else:
+                out[name] = float(value)
+        except ValueError:
+            raise ValueError(f"{ENV_OPTIONS}: bad value for {name}: {value!r}") from None
+    try:
+        SpecServeOptions(**out)  # its own range checks
+    except ValueError as err:
+        raise ValueError(f"{ENV_OPTIONS}: {err}") from None
+    return out
+
+
 def per_request_lengths() -> bool:
     """Whether the worker runs per-request steps (opt-in, SLOSERVE_SGLANG_LENGTHS=per-request:
-    issue #17 is not finished, see docs/design.md sec. 13) or one k per batch (the default)."""
+    10-15% slower than one k per batch on a CPU, docs/design.md sec. 13) or one k per batch
+    (the default)."""
     mode = os.environ.get(ENV_LENGTHS, "uniform")
     if mode not in ("per-request", "uniform"):
         raise ValueError(f"{ENV_LENGTHS} must be per-request or uniform, got {mode!r}")

@@ -4,6 +4,7 @@ request SLO field, and the launch command `--engine sglang` builds."""
 
 from __future__ import annotations
 
+import json
 import types
 
 import numpy as np
@@ -160,7 +161,7 @@ def test_forced_lengths_are_a_test_setting_that_drafts_k_max():
 def test_closed_loop_benchmark_runs_each_system_as_named():
     """sloserve.bench.sglang_specserve: SGLang's own STANDALONE gets its own flags and no
     sloserve speculation; the SPECSERVE systems differ only in the lengths mode."""
-    from sloserve.bench.sglang_specserve import SYSTEMS, system_args
+    from sloserve.bench.sglang_specserve import SYSTEMS, system_args, system_env
 
     assert system_args("plain", "T", "D") == ["--model-path", "T", "--draft-model-path", "D",
                                              "--spec-policy", "ar"]
@@ -171,3 +172,45 @@ def test_closed_loop_benchmark_runs_each_system_as_named():
     assert "--draft-model-path" not in own and own[own.index("--spec-policy") + 1] == "ar"
     assert system_args("specserve", "T", "D") == system_args("specserve:per-request", "T", "D")
     assert {"plain", "standalone:1", "standalone:3", "specserve"} <= set(SYSTEMS)
+    assert system_env("plain") == {}
+    assert system_env("specserve") == {"SLOSERVE_SGLANG_LENGTHS": "uniform",
+                                       "SLOSERVE_SPEC_OPTIONS": ""}
+    assert system_env("specserve:per-request:uniform_margin=0+prior=0.7") == {
+        "SLOSERVE_SGLANG_LENGTHS": "per-request",
+        "SLOSERVE_SPEC_OPTIONS": "uniform_margin=0,prior=0.7"}
+
+
+def test_policy_options_from_the_environment():
+    assert settings.spec_options("") == {}
+    assert settings.spec_options("uniform_margin=0, correct_cost=false,lag_cap=none") == {
+        "uniform_margin": 0.0, "correct_cost": False, "lag_cap": None}
+    assert settings.spec_options("small_batch=4") == {"small_batch": 4}
+    for bad, names in [("foo=1", "foo"), ("uniform_margin", "uniform_margin"),
+                       ("correct_cost=maybe", "correct_cost"), ("ema=2", "ema")]:
+        with pytest.raises(ValueError, match=f"SLOSERVE_SPEC_OPTIONS.*{names}"):
+            settings.spec_options(bad)
+
+
+def test_profiling_rows_carry_confidences_and_fit_the_calibration(tmp_path):
+    """In sweep mode the controller logs each uniform step's chain confidences with every
+    request's accepted drafts; the SGLang profiler's calibration counts each position up to
+    and including the first rejection in its confidence bin (row 0 rejected, row 1
+    accepted)."""
+    from sloserve.sglang_plugin.profile import calibration_counts
+
+    timings = tmp_path / "rows.jsonl"
+    ctl = StepController(make_policy("specserve", COST, k_max=3), 3, sweep=(0, 3),
+                         timings_path=str(timings))
+    rids = ["a", "b"]
+    assert ctl.decide(rids, [40, 50], [None, None]) == 0
+    ctl.feedback([0, 0])
+    assert ctl.decide(rids, [41, 51], [None, None]) == 3
+    ctl.record_chain(np.array([[0.95, 0.90, 0.10], [0.30, 0.95, 0.95]]))
+    ctl.feedback([3, 0])  # a: all three accepted; b: its first draft rejected
+    rows = [json.loads(x) for x in timings.read_text().splitlines()]
+    assert "conf" not in rows[0] and rows[1]["accepted_per_request"] == [3, 0]
+    counts = np.array(calibration_counts(rows))  # [2, 16]
+    hit = {int(c * 16) for c in (0.95, 0.90, 0.10)}
+    assert counts[1].sum() == 3 and {int(i) for i in np.nonzero(counts[1])[0]} == hit
+    assert counts[0].sum() == 1 and counts[0][int(0.30 * 16)] == 1  # b's later drafts unseen
+    assert calibration_counts(rows[:1]) is None
