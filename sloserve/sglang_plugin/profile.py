@@ -93,7 +93,7 @@ def calibration_counts(rows: Sequence[dict]) -> tuple[tuple[float, ...], ...] | 
         conf = r.get("conf")
         if not conf or r["k"] == 0:
             continue
-        c = np.array([[np.nan if x is None else x for x in row] for row in conf])  # [B, k]
+        c = np.array(conf, dtype=np.float64)  # [B, k]; null (not finite) -> NaN
         calib.update(c, np.full(len(c), r["k"]), np.asarray(r["accepted_per_request"]))
     if not calib.counts.sum():
         return None

@@ -140,28 +140,25 @@ def make_controller(target_path: str, draft_path: str, k_max: int, device: str,
 
 def spec_options(raw: str) -> dict[str, Any]:
     """SLOSERVE_SPEC_OPTIONS parsed into SpecServeOptions fields (values typed like the
-    fields' defaults); ValueError naming the variable and the field on anything else."""
+    fields' defaults, `none` where a field may be None); ValueError naming the variable and
+    the field on anything else."""
     fields = {f.name: f for f in dataclasses.fields(SpecServeOptions)}
     out: dict[str, Any] = {}
     for item in filter(None, (x.strip() for x in raw.split(","))):
-        name, sep, value = item.partition("=")
-        name = name.strip()
+        name, sep, value = (x.strip() for x in item.partition("="))
         if not sep or name not in fields:
             raise ValueError(f"{ENV_OPTIONS}: expected name=value with a name among "
                              f"{', '.join(fields)}, got {item!r}")
-        default = fields[name].default
+        default: Any = fields[name].default  # every option has a default
+        v = value.lower()
         try:
-            if isinstance(default, bool):
-                if value.strip().lower() not in ("true", "false", "1", "0"):
-                    raise ValueError(value)
-                out[name] = value.strip().lower() in ("true", "1")
-            elif isinstance(default, int):
-                out[name] = int(value)
-            elif value.strip().lower() == "none":
+            if v == "none" and "None" in str(fields[name].type):
                 out[name] = None
+            elif isinstance(default, bool):
+                out[name] = {"true": True, "1": True, "false": False, "0": False}[v]
             else:
-                out[name] = float(value)
-        except ValueError:
+                out[name] = type(default)(value)  # int or float
+        except (KeyError, ValueError):
             raise ValueError(f"{ENV_OPTIONS}: bad value for {name}: {value!r}") from None
     try:
         SpecServeOptions(**out)  # its own range checks
