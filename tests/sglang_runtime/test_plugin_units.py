@@ -186,7 +186,8 @@ def test_policy_options_from_the_environment():
         "uniform_margin": 0.0, "correct_cost": False, "lag_cap": None}
     assert settings.spec_options("small_batch=4") == {"small_batch": 4}
     for bad, names in [("foo=1", "foo"), ("uniform_margin", "uniform_margin"),
-                       ("correct_cost=maybe", "correct_cost"), ("ema=2", "ema")]:
+                       ("correct_cost=maybe", "correct_cost"), ("ema=2", "ema"),
+                       ("ema=none", "ema")]:
         with pytest.raises(ValueError, match=f"SLOSERVE_SPEC_OPTIONS.*{names}"):
             settings.spec_options(bad)
 
