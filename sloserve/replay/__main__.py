@@ -33,6 +33,7 @@ from sloserve.replay.synthetic import gamma_arrivals, parse_length_dist, synthet
 from sloserve.replay.targets import TARGET_KINDS, Target, make_target
 from sloserve.replay.trace import TraceRequest
 from sloserve.replay.workload import Workload, load_levels, make_workload
+from sloserve.runtime.models.presets import default_drafter
 
 
 def floats(text: str) -> list[float]:
@@ -114,9 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-concurrency", type=int, default=None)
 
     g = p.add_argument_group("in-process engine (--target inprocess)")
-    g.add_argument("--model-path", default=None, help="target model dir (default: built-in)")
-    g.add_argument("--draft-model-path", default=None, help="draft model dir (default: built-in)")
-    g.add_argument("--drafter", default="model", choices=["model", "ngram"])
+    g.add_argument("--model-path", "--model", default=None, help="target model: a directory "
+                   "or a preset (builtin, smollm2; default: builtin)")
+    g.add_argument("--draft-model-path", default=None, help="draft model directory "
+                   "(default: the preset's own)")
+    g.add_argument("--drafter", default=None, choices=["model", "ngram"],
+                   help="default: model where the target has a draft, else ngram")
     g.add_argument("--k-max", type=int, default=8)
     g.add_argument("--max-running-requests", type=int, default=64)
     g.add_argument("--kv-cache-tokens", type=int, default=65536)
@@ -228,7 +232,7 @@ def engine_config(args: argparse.Namespace):
 
     return EngineConfig(
         model_path=args.model_path, draft_model_path=args.draft_model_path,
-        drafter=args.drafter, k_max=args.k_max, kv_cache_tokens=args.kv_cache_tokens,
+        drafter=args.drafter or default_drafter(args.model_path), k_max=args.k_max, kv_cache_tokens=args.kv_cache_tokens,
         tpot_slo=args.tpot_slo_ms / 1000.0 if args.engine_slo == "on" else None,
         scheduler=SchedulerConfig(max_running_requests=args.max_running_requests),
     )

@@ -25,6 +25,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     attention_backend: str = "auto"  # auto | cpu | torch (auto: cpu on the CPU, torch on CUDA)
     device: str = "auto"  # auto | cpu | cuda
+    # auto: bfloat16 on cuda and on CPUs with bf16 matmul hardware (AVX512-BF16 / AMX),
+    # float32 elsewhere (decided at start and logged)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     profile_path: str | None = None  # cost profile; None = look up configs/profiles, else default
     seed: int = 0
@@ -48,6 +50,13 @@ class EngineConfig:
         return self.drafter != "none" and self.spec_policy != "ar"
 
 
+def auto_cpu_dtype() -> str:
+    """bfloat16 where the CPU has bf16 matmul hardware, else float32."""
+    from sloserve.runtime.cpu_tuning import cpu_has_bf16_matmul
+
+    return "bfloat16" if cpu_has_bf16_matmul() else "float32"
+
+
 def resolve(cfg: EngineConfig) -> EngineConfig:
     """Resolve "auto" values (device, dtype, draft pairing) into a new config."""
     import torch
@@ -57,7 +66,7 @@ def resolve(cfg: EngineConfig) -> EngineConfig:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = cfg.dtype
     if dtype == "auto":
-        dtype = "bfloat16" if device == "cuda" else "float32"
+        dtype = "bfloat16" if device == "cuda" else auto_cpu_dtype()
     if cfg.drafter not in ("model", "ngram", "none"):
         raise ValueError(f"drafter must be one of model, ngram, none; got {cfg.drafter!r}")
     if cfg.k_max < 0 or cfg.k_max > 32:

@@ -14,10 +14,10 @@ from sloserve.runtime.config import EngineConfig
 from sloserve.runtime.cpu_kernels import cpu_ops
 from sloserve.runtime.kv_cache import BlockAllocator, KVStorage
 from sloserve.runtime.model_runner import ModelRunner
-from sloserve.runtime.models.builtin import ensure_builtin_pair
 from sloserve.runtime.models.config import ModelLoadError
 from sloserve.runtime.models.cpu_linear import pack_linears, packed_linear_available
 from sloserve.runtime.models.loader import load_model
+from sloserve.runtime.models.presets import resolve_pair
 from sloserve.speculation import SpecPolicy
 
 log = logging.getLogger(__name__)
@@ -71,17 +71,26 @@ def _load_cost(cfg: EngineConfig, target: ModelRunner, draft: ModelRunner | None
     return cost, calibration
 
 
+def _log_cpu_path(dtype: str, kernels_built: bool, fused: bool) -> None:
+    """Say at start which dtype the CPU engine runs and which code path that takes."""
+    from sloserve.runtime.cpu_tuning import cpu_has_bf16_matmul
+
+    hw = "has" if cpu_has_bf16_matmul() else "lacks"
+    log.info("dtype %s on the CPU (this CPU %s bf16 matmul hardware: AVX512-BF16/AMX)", dtype, hw)
+    if fused:
+        log.info("CPU path: sloserve's C++ kernels (paged attention, fused RMSNorm/RoPE/SiLU)")
+    elif kernels_built and dtype != "float32":
+        log.info("CPU path: PyTorch ops in %s (sloserve's C++ kernels are float32-only; matmuls "
+                 "run through oneDNN, attention through SDPA over gathered KV)", dtype)
+    else:
+        log.info("CPU path: PyTorch ops in %s (sloserve's C++ kernels are not available)", dtype)
+
+
 def build_parts(cfg: EngineConfig) -> EngineParts:
-    target_path, draft_path = cfg.model_path, cfg.draft_model_path
-    if target_path is None:
-        bt, bd = ensure_builtin_pair()
-        target_path = str(bt)
-        if draft_path is None and cfg.drafter == "model":
-            draft_path = str(bd)
-    if cfg.drafter == "model" and draft_path is None:
-        raise ModelLoadError("--drafter model needs --draft-model-path (or use --drafter ngram)")
-    if cfg.drafter != "model":
-        draft_path = None
+    try:  # presets (builtin, smollm2) are built or fetched here on first use
+        target_path, draft_path = resolve_pair(cfg.model_path, cfg.draft_model_path, cfg.drafter)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
     dtype, device = _dtype(cfg.dtype), cfg.device
     tokenizer_path = cfg.tokenizer_path or target_path
     tokenizer = load_tokenizer(tokenizer_path, cfg.chat_template)
@@ -95,9 +104,9 @@ def build_parts(cfg: EngineConfig) -> EngineParts:
             if m is not None:
                 pack_linears(m)
     if device == "cpu":
-        for m in (target_model, draft_model):
-            if m is not None:
-                m.use_cpu_ops(cpu_ops())
+        ops = cpu_ops()
+        fused = [m.use_cpu_ops(ops) for m in (target_model, draft_model) if m is not None]
+        _log_cpu_path(cfg.dtype, ops is not None, all(fused))
     if draft_model is not None and draft_model.cfg.vocab_size != target_model.cfg.vocab_size:
         raise ModelLoadError(
             f"draft vocab {draft_model.cfg.vocab_size} != target vocab {target_model.cfg.vocab_size}"

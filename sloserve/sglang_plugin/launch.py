@@ -49,8 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m sloserve.launch --engine sglang", allow_abbrev=False,
         description="SGLang's server with sloserve's SPECSERVE speculation; options not "
                     "listed here go to SGLang's launch_server unchanged")
-    p.add_argument("--model-path", default=None, help="target model (default: built-in pair)")
-    p.add_argument("--draft-model-path", default=None, help="draft model (default: built-in)")
+    p.add_argument("--model-path", "--model", default=None,
+                   help="target model: a directory or a preset (builtin, smollm2; default: "
+                   "builtin)")
+    p.add_argument("--draft-model-path", default=None,
+                   help="draft model: a directory or a preset (default: the preset's own)")
     p.add_argument("--tpot-slo", type=duration, default=None,
                    help="default TPOT SLO, e.g. 30ms (a request's own: custom_params.tpot_slo)")
     p.add_argument("--spec-policy", choices=POLICIES, default="specserve")
@@ -68,12 +71,16 @@ def sglang_args(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     args, passthrough = parser.parse_known_args(list(argv))
     if args.k_max < 1:
         parser.error(f"argument --k-max: must be >= 1, got {args.k_max}")
-    target, draft = args.model_path, args.draft_model_path
-    if target is None:
-        from sloserve.runtime.models.builtin import ensure_builtin_pair
+    from sloserve.runtime.models.presets import preset_has_draft, resolve_pair
 
-        bt, bd = ensure_builtin_pair()
-        target, draft = str(bt), draft or str(bd)
+    # presets (builtin, smollm2) are built or fetched here on first use, before SGLang starts
+    wants_draft = args.spec_policy != "ar" and (args.draft_model_path is not None
+                                                or preset_has_draft(args.model_path))
+    try:
+        target, draft = resolve_pair(args.model_path, args.draft_model_path,
+                                     "model" if wants_draft else "none")
+    except ValueError as e:
+        parser.error(f"argument --model-path: {e}")
     spec = None
     if args.spec_policy != "ar":
         if draft is None:

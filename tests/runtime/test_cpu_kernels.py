@@ -173,7 +173,7 @@ def test_engine_without_kernels_gives_the_same_greedy_tokens(make_engine, tiny_p
         "from sloserve.runtime.engine import Engine\n"
         "from sloserve.runtime.request import SamplingParams\n"
         "eng = Engine(EngineConfig(model_path=sys.argv[1], draft_model_path=sys.argv[2],"
-        " spec_policy='fixed:2'))\n"
+        " spec_policy='fixed:2', dtype='float32'))\n"
         "assert eng.parts.target.backend.op is None and eng.parts.target.model.cpu_ops is None\n"
         "p = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)\n"
         f"res = eng.generate({prompts!r}, [p, p])\n"

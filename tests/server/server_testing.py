@@ -28,7 +28,7 @@ def tiny_config(tiny_pair, **kw) -> EngineConfig:
     sched.update({k: kw.pop(k) for k in ("max_running_requests", "max_queued_requests")
                   if k in kw})
     base = dict(model_path=tiny_pair[0], draft_model_path=tiny_pair[1], spec_policy="fixed:3",
-                kv_cache_tokens=16384, block_size=8)
+                kv_cache_tokens=16384, block_size=8, dtype="float32")
     return EngineConfig(**{**base, **kw}, scheduler=SchedulerConfig(**sched))
 
 

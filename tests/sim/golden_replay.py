@@ -49,7 +49,7 @@ def requests(n: int = 60, seed: int = 11) -> list[SimRequest]:
 
 def config(policy: str, drafter: str) -> EngineConfig:
     return EngineConfig(spec_policy=policy, drafter=drafter, k_max=6, tpot_slo=0.08,
-                        kv_cache_tokens=3072, block_size=16,
+                        kv_cache_tokens=3072, block_size=16, dtype="float32",
                         scheduler=SchedulerConfig(max_running_requests=24, max_step_tokens=512))
 
 

@@ -16,6 +16,7 @@ COST = CostModel(ForwardCost(1e-6, 1e-4, 1e-2), ForwardCost(1e-7, 1e-5, 1e-3), 5
 
 def cfg(policy: str = "specserve", **kw) -> EngineConfig:
     sched = kw.pop("scheduler", SchedulerConfig(max_running_requests=16, max_step_tokens=256))
+    kw.setdefault("dtype", "float32")  # the profiles and golden runs are float32
     return EngineConfig(spec_policy=policy, kv_cache_tokens=kw.pop("kv_cache_tokens", 8192),
                         block_size=kw.pop("block_size", 8), scheduler=sched, **kw)
 

@@ -40,7 +40,7 @@ N_NEW = 24
 def _engine(tiny_pair, policy: str, drafter: str = "model") -> Engine:
     return Engine(EngineConfig(
         model_path=tiny_pair[0], draft_model_path=tiny_pair[1], spec_policy=policy,
-        drafter=drafter, kv_cache_tokens=16384, block_size=8, tpot_slo=0.05,
+        drafter=drafter, kv_cache_tokens=16384, block_size=8, tpot_slo=0.05, dtype="float32",
         scheduler=SchedulerConfig(max_running_requests=64, max_step_tokens=512)))
 
 

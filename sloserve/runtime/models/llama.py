@@ -45,9 +45,12 @@ class Rotary(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin: [T, 1, D/2] for the batch, computed once per forward, used by every layer."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+    def tables(self, positions: torch.Tensor,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [T, 1, D/2] in the activations' dtype (computed in float32, rounded
+        once, as transformers does), once per forward, used by every layer."""
+        return (self.cos[positions].unsqueeze(1).to(dtype),
+                self.sin[positions].unsqueeze(1).to(dtype))
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -130,7 +133,7 @@ class LlamaModel(nn.Module):
         if self.cpu_ops is not None:
             h = self._layers_fused(h, batch, kv, attn)
         else:
-            rope = self.rotary.tables(batch.positions)
+            rope = self.rotary.tables(batch.positions, h.dtype)
             for layer in self.layers:
                 h = layer(h, batch, rope, kv, attn, self.scale)
         h = h.index_select(0, batch.logits_indices)

@@ -1,0 +1,99 @@
+"""The distilled draft of SmolLM2-135M-Instruct: its own weights ship in the repository, the
+embedding (tied with the LM head) is the target's and is not shipped.
+
+The repository holds `drafts/smollm2-draft.safetensors` (the draft's decoder layers and final
+norm, Hugging Face names) and `drafts/smollm2-draft.json` (its config.json fields, and the
+recipe that produced it: command, corpus, data sizes, measured agreement). `ensure_draft`
+assembles an ordinary Hugging Face directory from those and the converted target's
+embedding and tokenizer, once, under the target's cache, with a manifest (a broken one is
+rebuilt, never loaded). It is made by `python -m sloserve.train_draft`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DRAFTS_DIR = Path(__file__).resolve().parent / "drafts"
+WEIGHTS = DRAFTS_DIR / "smollm2-draft.safetensors"
+CARD = DRAFTS_DIR / "smollm2-draft.json"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "chat_template.jinja", "generation_config.json")
+
+
+def shipped_draft() -> Path | None:
+    """The shipped draft weights, or None when this checkout has none."""
+    return WEIGHTS if WEIGHTS.is_file() and CARD.is_file() else None
+
+
+def draft_config(target_cfg: dict, layers: int) -> dict:
+    """config.json of a draft with the target's width, vocabulary and embedding, `layers`
+    decoder layers."""
+    cfg = dict(target_cfg)
+    cfg["num_hidden_layers"] = layers
+    cfg["tie_word_embeddings"] = True
+    return cfg
+
+
+def write_draft_dir(out: Path, target_dir: Path, draft_state: dict, layers: int) -> None:
+    """An HF directory at `out` (must not exist): the draft's own tensors (`draft_state`,
+    HF names, torch tensors) plus the target's embedding and tokenizer files."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from sloserve.runtime.models.smollm2 import _write_manifest
+
+    target_cfg = json.loads((target_dir / "config.json").read_text())
+    with safe_open(str(target_dir / "model.safetensors"), framework="pt") as f:
+        embed = f.get_tensor("model.embed_tokens.weight")
+    state = {k: v.detach().to(torch.float32).contiguous() for k, v in draft_state.items()}
+    state["model.embed_tokens.weight"] = embed
+    out.mkdir(parents=True)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(draft_config(target_cfg, layers), indent=2))
+    for name in _TOKENIZER_FILES:
+        if (target_dir / name).is_file():
+            shutil.copy(target_dir / name, out / name)
+    _write_manifest(out)
+
+
+def ensure_draft(root: Path, target_dir: Path) -> Path:
+    """The assembled draft directory under `root` (built on first use or when broken)."""
+    from safetensors.torch import load_file
+
+    from sloserve.runtime.models.smollm2 import cache_problem, file_sha256
+
+    weights = shipped_draft()
+    if weights is None:
+        raise FileNotFoundError(f"no shipped draft at {WEIGHTS}")
+    key = file_sha256(weights)[:12]
+    out = root / f"draft-{key}"
+    if out.is_dir():
+        problem = cache_problem(out)
+        if problem is None:
+            return out
+        log.warning("the cached draft in %s is broken (%s): rebuilding it", out, problem)
+        shutil.rmtree(out, ignore_errors=True)
+    card = json.loads(CARD.read_text())
+    staging = Path(tempfile.mkdtemp(prefix=".building-draft-", dir=root))
+    t0 = time.perf_counter()
+    try:
+        write_draft_dir(staging / "draft", target_dir, load_file(str(weights)),
+                        int(card["num_hidden_layers"]))
+        try:
+            os.rename(staging / "draft", out)
+        except OSError:
+            if cache_problem(out) is not None:
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    log.info("assembled the SmolLM2 draft in %s in %.1f s", out, time.perf_counter() - t0)
+    return out

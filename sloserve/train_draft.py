@@ -1,0 +1,620 @@
+"""Distil a small draft model for SmolLM2-135M-Instruct on this machine, resumably.
+
+    python -m sloserve.train_draft --out ~/.cache/sloserve/train-draft/run1   # all phases
+    python -m sloserve.train_draft --out DIR --phase eval                      # agreement only
+    python -m sloserve.train_draft --out DIR --export                          # ship the weights
+
+Phases (each resumes where the last run stopped; a run can span sessions):
+1. prompts: a deterministic prompt mix from the seed: the Spec-Bench questions of the
+   training split (../shared/data/prompts/spec_bench_questions.jsonl, when present; the
+   held-out split is never trained on), and instructions built from text this machine has
+   (functions of Python's standard library: explain / document / rewrite / test; module
+   docstrings and package descriptions: summarise / extract / translate / answer; templated
+   arithmetic word problems; writing and explanation topics).
+2. generate: the target's own answers to those prompts with sloserve's engine (greedy for
+   most, temperature 0.7 for every fourth), appended to answers.jsonl as they finish.
+3. distil: a Llama draft of --layers decoder layers (initialised from the target's first
+   layers; the target's embedding / tied LM head shared and frozen; final norm trainable),
+   trained on the answers by full-vocabulary KL(target || draft) on answer tokens, bf16
+   autocast where the CPU has bf16 matmuls, AdamW with warm-up and cosine decay, a
+   checkpoint every --checkpoint-minutes (atomic), the data order fixed by the seed.
+4. eval: held-out greedy per-token top-1 agreement with the target, per category, on the
+   target's greedy answers to the held-out Spec-Bench prompts.
+
+Where the job stands is always in DIR/status.json (and DIR/log.txt), not only on the
+terminal. --export writes the draft's own weights (not the shared embedding) and its card
+(config, recipe, data sizes, agreement) into sloserve/runtime/models/drafts/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import logging
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger("sloserve.train_draft")
+
+SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts" / \
+    "spec_bench_questions.jsonl"
+MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
+            "humanities"}
+
+
+# ---------------------------------------------------------------- prompts
+
+def spec_bench(path: Path = SPEC_BENCH) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def held_out(q: dict) -> bool:
+    """The evaluation split: half of each MT-Bench category (10 questions each), a quarter
+    of the 80-question categories."""
+    qid = int(q["question_id"])
+    return qid % 2 == 1 if q["category"] in MT_BENCH else qid % 4 == 0
+
+
+def _stdlib_functions(rng: random.Random, n: int) -> list[str]:
+    import sysconfig
+
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    out: list[str] = []
+    for f in files:
+        try:
+            src = f.read_text()
+            tree = ast.parse(src)
+        except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and node.end_lineno is not None:
+                lines = src.splitlines()[node.lineno - 1:node.end_lineno]
+                if 4 <= len(lines) <= 30:
+                    out.append("\n".join(lines))
+    rng.shuffle(out)
+    return out[:n]
+
+
+def _paragraphs(rng: random.Random, n: int) -> list[str]:
+    import sysconfig
+
+    paras: list[str] = []
+    for f in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        try:
+            doc = ast.get_docstring(ast.parse(f.read_text()))
+        except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        if doc:
+            paras += [p.strip() for p in doc.split("\n\n") if 200 <= len(p.strip()) <= 1200]
+    site = Path(sysconfig.get_paths()["purelib"])
+    for meta in sorted(site.glob("*.dist-info/METADATA")):
+        try:
+            body = meta.read_text(errors="ignore").split("\n\n", 1)[-1]
+        except OSError:
+            continue
+        paras += [p.strip() for p in body.split("\n\n")
+                  if 200 <= len(p.strip()) <= 1200 and "|" not in p and "http" not in p]
+    rng.shuffle(paras)
+    return paras[:n]
+
+
+_TOPICS = ("a lighthouse keeper", "a robot learning to paint", "the first day at a new school",
+           "a lost dog finding its way home", "a city under the sea", "an old bookshop",
+           "a chess tournament", "a mountain village in winter", "a time traveller",
+           "a friendly dragon", "a garden that grows at night", "a detective and a missing key")
+_CONCEPTS = ("photosynthesis", "inflation", "recursion", "the water cycle", "gravity",
+             "compound interest", "machine learning", "the immune system", "democracy",
+             "plate tectonics", "supply and demand", "climate change", "a hash table",
+             "the Pythagorean theorem", "electric circuits", "the French Revolution",
+             "vaccines", "black holes", "binary numbers", "renewable energy")
+_LANGS = ("French", "German", "Spanish")
+
+
+def _math_prompt(rng: random.Random) -> str:
+    a, b, c = rng.randint(2, 90), rng.randint(2, 40), rng.randint(2, 12)
+    return rng.choice([
+        f"A shop sells pencils for {c} dollars each. Tom buys {b} pencils and pays with "
+        f"{b * c + a} dollars. How much change does he get? Explain step by step.",
+        f"A train travels {a * c} km in {c} hours. What is its average speed in km per hour?",
+        f"Sara has {a} apples. She gives {min(a - 1, b)} to her friends and then buys {c} more. "
+        "How many apples does she have now?",
+        f"Calculate {a} * {b} + {c}. Show your steps.",
+        f"A rectangle is {a} cm long and {b} cm wide. What are its area and perimeter?",
+        f"If {c} workers build a wall in {b} days, how many days do {c * 2} workers need?",
+    ])
+
+
+def build_prompts(seed: int) -> list[dict]:
+    """The training prompt mix: [{id, category, messages}], deterministic from the seed."""
+    rng = random.Random(seed)
+    out: list[dict] = []
+    for q in spec_bench():
+        if not held_out(q):
+            out.append({"id": f"sb-{q['question_id']}", "category": q["category"],
+                        "messages": [{"role": "user", "content": q["turns"][0]}]})
+    for i, fn in enumerate(_stdlib_functions(rng, 700)):
+        ask = rng.choice(["Explain what this Python function does.",
+                          "Add type hints and a docstring to this Python function.",
+                          "Rewrite this Python function to make it easier to read.",
+                          "Write two unit tests for this Python function.",
+                          "Find possible bugs in this Python function."])
+        out.append({"id": f"code-{i}", "category": "code",
+                    "messages": [{"role": "user", "content": f"{ask}\n\n```python\n{fn}\n```"}]})
+    for i, p in enumerate(_paragraphs(rng, 700)):
+        kind = rng.choice(["summarization", "extraction", "qa", "translation"])
+        ask = {"summarization": "Summarize the following text in two or three sentences.",
+               "extraction": "List the key terms and facts in the following text.",
+               "qa": "Read the text and answer: what is its main purpose?",
+               "translation": f"Translate the following text into {rng.choice(_LANGS)}."}[kind]
+        out.append({"id": f"text-{i}", "category": kind,
+                    "messages": [{"role": "user", "content": f"{ask}\n\n{p}"}]})
+    for i in range(300):
+        out.append({"id": f"math-{i}", "category": "math_reasoning",
+                    "messages": [{"role": "user", "content": _math_prompt(rng)}]})
+    for i in range(300):
+        t, c = rng.choice(_TOPICS), rng.choice(_CONCEPTS)
+        content = rng.choice([f"Write a short story about {t}.", f"Explain {c} in simple terms.",
+                              f"Give me three tips for learning about {c}.",
+                              f"Write a poem about {t}.", f"What are the pros and cons of {c}?"])
+        out.append({"id": f"chat-{i}", "category": "chat",
+                    "messages": [{"role": "user", "content": content}]})
+    rng.shuffle(out)
+    return out
+
+
+def eval_prompts() -> list[dict]:
+    return [{"id": f"sb-{q['question_id']}", "category": q["category"],
+             "messages": [{"role": "user", "content": q["turns"][0]}]}
+            for q in spec_bench() if held_out(q)]
+
+
+# ---------------------------------------------------------------- job state
+
+class Job:
+    """The output folder: status.json, log.txt, answers, checkpoints."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        out.mkdir(parents=True, exist_ok=True)
+        self.status_path = out / "status.json"
+        self.status = json.loads(self.status_path.read_text()) if self.status_path.is_file() \
+            else {}
+        handler = logging.FileHandler(out / "log.txt")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        logging.getLogger().addHandler(handler)
+
+    def update(self, **kw) -> None:
+        self.status.update(kw, updated=time.strftime("%Y-%m-%d %H:%M:%S"))
+        tmp = self.status_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.status, indent=1))
+        os.replace(tmp, self.status_path)
+
+
+def _engine(threads: int):
+    from sloserve.runtime.config import EngineConfig
+    from sloserve.runtime.engine import Engine
+    from sloserve.runtime.scheduler import SchedulerConfig
+
+    return Engine(EngineConfig(model_path="smollm2", drafter="none", spec_policy="ar",
+                               kv_cache_tokens=65536, num_threads=threads,
+                               scheduler=SchedulerConfig(max_running_requests=48,
+                                                         max_step_tokens=4096)))
+
+
+def generate(job: Job, prompts: list[dict], path: Path, max_new: int, threads: int,
+             token_budget: int, sample_every: int = 4) -> None:
+    """Append the target's answers to `path` (jsonl), skipping prompts already answered,
+    until every prompt is answered or `token_budget` answer tokens are on disk."""
+    from tqdm import tqdm
+
+    from sloserve.runtime.request import SamplingParams
+
+    done, tokens = set(), 0
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            done.add(rec["id"])
+            tokens += len(rec["output_ids"])
+    todo = [p for p in prompts if p["id"] not in done]
+    if not todo or tokens >= token_budget:
+        return
+    eng = _engine(threads)
+    tok = eng.tokenizer
+    bar = tqdm(total=token_budget, initial=min(tokens, token_budget), unit="tok",
+               desc=f"generate {path.name}", mininterval=10)
+    chunk = 96
+    for i in range(0, len(todo), chunk):
+        part = todo[i:i + chunk]
+        texts = [tok.apply_chat_template(p["messages"], add_generation_prompt=True,
+                                          tokenize=False) for p in part]
+        ids = [tok(t, add_special_tokens=False)["input_ids"][:768] for t in texts]
+        params = [SamplingParams(max_new_tokens=max_new, temperature=0.7,
+                                 seed=hash_id(p["id"]))
+                  if sample_every and hash_id(p["id"]) % sample_every == 0 else
+                  SamplingParams(max_new_tokens=max_new, temperature=0.0) for p in part]
+        outs = eng.generate(ids, params)
+        with open(path, "a") as f:
+            for p, pid, sp, o in zip(part, ids, params, outs):
+                f.write(json.dumps({"id": p["id"], "category": p["category"], "prompt_ids": pid,
+                                    "output_ids": o["output_ids"],
+                                    "greedy": sp.temperature == 0}) + "\n")
+                tokens += len(o["output_ids"])
+        bar.update(min(tokens, token_budget) - bar.n)
+        job.update(phase=f"generate {path.name}", answered=len(done) + i + len(part),
+                   prompts=len(prompts), answer_tokens=tokens, token_budget=token_budget)
+        if tokens >= token_budget:
+            break
+    bar.close()
+
+
+def hash_id(s: str) -> int:
+    h = 2166136261
+    for ch in s.encode():
+        h = ((h ^ ch) * 16777619) % 2**32
+    return h
+
+
+def read_answers(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ---------------------------------------------------------------- models
+
+def load_target(target_dir: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
+    return m.eval().requires_grad_(False)
+
+
+def make_draft(target, layers: int):
+    """A LlamaForCausalLM of `layers` layers: the target's embedding (tied LM head) shared
+    and frozen, layers and final norm initialised from the target's and trainable."""
+    import copy
+
+    from transformers import LlamaForCausalLM
+
+    cfg = copy.deepcopy(target.config)
+    cfg.num_hidden_layers = layers
+    cfg.tie_word_embeddings = True
+    draft = LlamaForCausalLM(cfg)
+    sd = {k: v for k, v in target.state_dict().items()
+          if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    draft.load_state_dict(sd, strict=False)
+    draft.model.embed_tokens.weight = target.model.embed_tokens.weight  # shared, frozen
+    draft.lm_head.weight = draft.model.embed_tokens.weight
+    draft.model.embed_tokens.weight.requires_grad_(False)
+    return draft
+
+
+def own_state(draft) -> dict:
+    """The draft's own tensors (HF names): its layers and final norm, not the embedding."""
+    return {k: v.detach().clone() for k, v in draft.state_dict().items()
+            if k not in ("model.embed_tokens.weight", "lm_head.weight")}
+
+
+PROMPT_KEEP = 192  # prompt tokens kept before an answer in training (the most recent)
+
+
+def _batches(records: list[dict], rng: random.Random, max_len: int, batch_tokens: int):
+    """Lists of (record index, input_ids, answer start) of similar lengths, about
+    batch_tokens each. The prompt is cut to its last PROMPT_KEEP tokens: the draft's
+    context in training is shorter than in serving, most of the target's work is saved."""
+    seqs = []
+    for i, r in enumerate(records):
+        prompt = r["prompt_ids"][-PROMPT_KEEP:]
+        ids = (prompt + r["output_ids"])[:max_len]
+        if len(ids) - len(prompt) >= 2:
+            seqs.append((i, ids, len(prompt)))
+    rng.shuffle(seqs)
+    out = []
+    for i in range(0, len(seqs), 256):  # sort within windows: little padding, still shuffled
+        window = sorted(seqs[i:i + 256], key=lambda s: len(s[1]))
+        cur: list = []
+        for s in window:
+            if cur and (len(cur) + 1) * max(len(s[1]), len(cur[-1][1])) > batch_tokens:
+                out.append(cur)
+                cur = []
+            cur.append(s)
+        if cur:
+            out.append(cur)
+    rng.shuffle(out)
+    return out
+
+
+def _tensors(batch):
+    """input_ids, attention mask [B, n] and the loss mask [B, n] (True at positions that
+    predict an answer token: start - 1 .. len - 2) of (index, ids, start) rows."""
+    import torch
+
+    n = max(len(ids) for _, ids, _ in batch)
+    ids = torch.full((len(batch), n), 2, dtype=torch.long)
+    att = torch.zeros((len(batch), n), dtype=torch.long)
+    loss_mask = torch.zeros((len(batch), n), dtype=torch.bool)
+    for i, (_, seq, start) in enumerate(batch):
+        ids[i, :len(seq)] = torch.tensor(seq)
+        att[i, :len(seq)] = 1
+        loss_mask[i, start - 1:len(seq) - 1] = True
+    return ids, att, loss_mask
+
+
+class TargetCache:
+    """The target's final (normed) hidden state at every position that predicts an answer
+    token, bf16, in one memory-mapped file: the target runs once over the data, and every
+    epoch's teacher logits are one matmul with the shared embedding. Rows of record i are
+    offsets[i] .. offsets[i] + count[i], in answer order (position start - 1 onwards)."""
+
+    def __init__(self, path: Path, records: list[dict], max_len: int, hidden: int):
+        import numpy as np
+
+        self.counts = []
+        for r in records:
+            prompt = r["prompt_ids"][-PROMPT_KEEP:]
+            self.counts.append(max(0, min(len(prompt) + len(r["output_ids"]), max_len)
+                                   - len(prompt)))
+        self.offsets = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
+        self.path, self.progress_path = path, path.with_suffix(".done")
+        mode = "r+" if path.is_file() else "w+"
+        self.mem = np.memmap(path, dtype=np.int16, mode=mode,
+                             shape=(int(self.offsets[-1]), hidden))
+        self.done = int(self.progress_path.read_text()) if self.progress_path.is_file() else 0
+
+    def fill(self, job: Job, target, records: list[dict], max_len: int, batch_tokens: int) -> None:
+        import torch
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(records), initial=self.done, unit="answer", desc="target states",
+                   mininterval=10)
+        while self.done < len(records):
+            rows, tokens = [], 0
+            while self.done + len(rows) < len(records) and tokens < batch_tokens:
+                i = self.done + len(rows)
+                r = records[i]
+                prompt = r["prompt_ids"][-PROMPT_KEEP:]
+                ids = (prompt + r["output_ids"])[:max_len]
+                rows.append((i, ids, len(prompt)))
+                tokens += len(ids)
+            ids, att, _ = _tensors(rows)
+            with torch.no_grad(), _autocast():
+                h = target.model(input_ids=ids, attention_mask=att).last_hidden_state
+            h = h.to(torch.bfloat16)
+            for b, (i, _, start) in enumerate(rows):
+                n = self.counts[i]
+                if n:
+                    rows_h = h[b, start - 1:start - 1 + n].contiguous().view(torch.int16)
+                    self.mem[self.offsets[i]:self.offsets[i] + n] = rows_h.numpy()
+            self.done += len(rows)
+            self.mem.flush()
+            self.progress_path.write_text(str(self.done))
+            bar.update(len(rows))
+            job.update(phase="target states", target_states=self.done, answers=len(records))
+        bar.close()
+
+    def hidden(self, batch):
+        """[sum of answer positions, hidden] bf16 in the order of _tensors' loss mask."""
+        import numpy as np
+        import torch
+
+        parts = [self.mem[self.offsets[i]:self.offsets[i] + self.counts[i]] for i, _, _ in batch]
+        return torch.from_numpy(np.concatenate(parts)).view(torch.bfloat16)
+
+
+def _autocast():
+    import contextlib
+
+    import torch
+
+    from sloserve.runtime.cpu_tuning import cpu_has_bf16_matmul
+
+    if cpu_has_bf16_matmul():
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def agreement(draft, records: list[dict], max_len: int = 512) -> dict:
+    """Greedy per-token top-1 agreement of the draft with the target on `records`, the
+    target's greedy answers: at each answer position the target's argmax is the answer's
+    next token, so agreement = the draft's argmax equals it (teacher-forced on the target's
+    path, exactly what greedy speculation accepts). {category: (agree, total)}."""
+    import torch
+
+    res: dict[str, list[int]] = {}
+    with torch.no_grad(), _autocast():
+        for k, r in enumerate(records):
+            prompt = r["prompt_ids"]
+            seq = (prompt + r["output_ids"])[:max_len]
+            ids, att, mask = _tensors([(k, seq, len(prompt))])
+            d = draft(input_ids=ids, attention_mask=att).logits[mask].argmax(-1)
+            want = ids[0, len(prompt):len(seq)]
+            a = res.setdefault(r["category"], [0, 0])
+            a[0] += int((want == d).sum())
+            a[1] += int(want.numel())
+    return {k: (v[0], v[1]) for k, v in sorted(res.items())}
+
+
+def summarize(agree: dict) -> dict:
+    per = {k: round(a / max(n, 1), 4) for k, (a, n) in agree.items()}
+    return {"per_category": per, "mean_over_categories":
+            round(sum(per.values()) / max(len(per), 1), 4)}
+
+
+def distil(job: Job, target, cache: TargetCache, answers: list[dict], evals: list[dict],
+           args) -> None:
+    import torch
+    import torch.nn.functional as F
+    from tqdm import tqdm
+
+    ckpt_path = job.out / "checkpoint.pt"
+    draft = make_draft(target, args.layers)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.98), weight_decay=0.0)
+    step, epoch, cursor, tokens_seen = 0, 0, 0, 0
+    if ckpt_path.is_file():
+        ck = torch.load(ckpt_path, weights_only=False)
+        draft.load_state_dict(ck["draft"], strict=False)
+        opt.load_state_dict(ck["opt"])
+        step, epoch, cursor, tokens_seen = ck["step"], ck["epoch"], ck["cursor"], ck["tokens"]
+        log.info("resumed at step %d (epoch %d, batch %d, %d tokens)", step, epoch, cursor,
+                 tokens_seen)
+
+    def save() -> None:
+        tmp = ckpt_path.with_suffix(".tmp")
+        torch.save({"draft": own_state(draft), "opt": opt.state_dict(), "step": step,
+                    "epoch": epoch, "cursor": cursor, "tokens": tokens_seen,
+                    "layers": args.layers, "seed": args.seed}, tmp)
+        os.replace(tmp, ckpt_path)
+
+    total = args.train_tokens
+    bar = tqdm(total=total, initial=min(tokens_seen, total), unit="tok", desc="distil",
+               mininterval=10)
+    last_ckpt, last_eval = time.time(), time.time()
+    t_start, tok_start = time.time(), tokens_seen
+    draft.train()
+    while tokens_seen < total:
+        batches = _batches(answers, random.Random(args.seed * 1000 + epoch), args.max_len,
+                           args.batch_tokens)
+        while cursor < len(batches) and tokens_seen < total:
+            ids, att, mask = _tensors(batches[cursor])
+            lr = args.lr * min(1.0, (step + 1) / 100) * (
+                0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, tokens_seen / total))))
+            for g in opt.param_groups:
+                g["lr"] = lr
+            embed = draft.model.embed_tokens.weight  # [V, hidden], shared and frozen
+            with _autocast():
+                with torch.no_grad():  # teacher logits [N, V] from the cached states
+                    t_logits = (cache.hidden(batches[cursor]).to(embed.dtype) @ embed.T).float()
+                d_logits = draft(input_ids=ids, attention_mask=att).logits[mask].float()
+            t_logp = F.log_softmax(t_logits, -1)
+            loss = F.kl_div(F.log_softmax(d_logits, -1), t_logp, log_target=True,
+                            reduction="batchmean")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            with torch.no_grad():
+                top1 = float((t_logits.argmax(-1) == d_logits.argmax(-1)).float().mean())
+            n = int(mask.sum())
+            tokens_seen += n
+            step, cursor = step + 1, cursor + 1
+            bar.update(min(tokens_seen, total) - bar.n)
+            rate = (tokens_seen - tok_start) / max(time.time() - t_start, 1e-9)
+            if step % 10 == 0:
+                job.update(phase="distil", step=step, epoch=epoch, tokens=tokens_seen,
+                           train_tokens=total, loss=round(float(loss), 4),
+                           batch_top1=round(top1, 4), lr=lr,
+                           tokens_per_s=round(rate, 1),
+                           eta_minutes=round((total - tokens_seen) / max(rate, 1e-9) / 60, 1))
+            if time.time() - last_ckpt > args.checkpoint_minutes * 60:
+                save()
+                last_ckpt = time.time()
+                log.info("checkpoint at step %d, %d tokens, loss %.3f", step, tokens_seen,
+                         float(loss))
+            if evals and time.time() - last_eval > args.eval_minutes * 60:
+                draft.eval()
+                ev = summarize(agreement(draft, evals))
+                draft.train()
+                job.update(eval=ev, eval_step=step)
+                log.info("held-out agreement at step %d: %.3f", step,
+                         ev["mean_over_categories"])
+                last_eval = time.time()
+        if cursor >= len(batches):
+            epoch, cursor = epoch + 1, 0
+    save()
+    bar.close()
+
+
+def export(job: Job, target, args) -> None:
+    """Write the draft's own weights and card into the package's drafts/ folder."""
+    import torch
+    from safetensors.torch import save_file
+
+    from sloserve.runtime.models.smollm2_draft import CARD, DRAFTS_DIR, WEIGHTS
+
+    ck = torch.load(job.out / "checkpoint.pt", weights_only=False)
+    DRAFTS_DIR.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in ck["draft"].items()},
+              str(WEIGHTS), metadata={"format": "pt"})
+    card = {"num_hidden_layers": ck["layers"], "seed": ck["seed"], "steps": ck["step"],
+            "distilled_tokens": ck["tokens"], "status": job.status,
+            "command": "python -m sloserve.train_draft " + " ".join(sys.argv[1:])}
+    CARD.write_text(json.dumps(card, indent=1))
+    log.info("exported %s (%.1f MB) and %s", WEIGHTS, WEIGHTS.stat().st_size / 1e6, CARD)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from sloserve.runtime.models.builtin import cache_root
+
+    p = argparse.ArgumentParser(prog="python -m sloserve.train_draft", allow_abbrev=False,
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=cache_root() / "train-draft" / "run1",
+                   help="the job's folder: status.json, log.txt, answers, checkpoint")
+    p.add_argument("--phase", choices=("all", "generate", "distil", "eval"), default="all")
+    p.add_argument("--export", action="store_true",
+                   help="write the checkpoint's draft into sloserve/runtime/models/drafts/")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--layers", type=int, default=2, help="draft decoder layers")
+    p.add_argument("--gen-tokens", type=int, default=400_000,
+                   help="answer tokens the target generates for training (budget)")
+    p.add_argument("--max-new", type=int, default=256, help="longest answer generated")
+    p.add_argument("--train-tokens", type=int, default=3_000_000,
+                   help="answer tokens the distillation runs over (epochs repeat the data)")
+    p.add_argument("--batch-tokens", type=int, default=2048)
+    p.add_argument("--max-len", type=int, default=640)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--checkpoint-minutes", type=float, default=4.0)
+    p.add_argument("--eval-minutes", type=float, default=15.0)
+    args = p.parse_args(argv)
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(message)s")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    job = Job(args.out)
+    job.update(args={k: str(v) for k, v in vars(args).items()})
+    from sloserve.runtime.models.presets import resolve_dir
+
+    target_dir = resolve_dir("smollm2")
+    if args.phase in ("all", "generate"):
+        prompts = build_prompts(args.seed)
+        (job.out / "prompts.jsonl").write_text("".join(json.dumps(q) + "\n" for q in prompts))
+        evals = eval_prompts()
+        generate(job, evals, job.out / "eval_answers.jsonl", 192, args.threads, 10**9,
+                 sample_every=0)  # greedy: agreement is measured on the target's greedy path
+        generate(job, prompts, job.out / "answers.jsonl", args.max_new, args.threads,
+                 args.gen_tokens)
+    if args.phase == "generate":
+        return 0
+    target = load_target(target_dir)
+    evals = read_answers(job.out / "eval_answers.jsonl") \
+        if (job.out / "eval_answers.jsonl").is_file() else []
+    if args.phase in ("all", "distil"):
+        answers = read_answers(job.out / "answers.jsonl")
+        job.update(answers=len(answers),
+                   answer_tokens=sum(len(r["output_ids"]) for r in answers))
+        cache = TargetCache(job.out / f"target_states-{len(answers)}.i16", answers,
+                            args.max_len, target.config.hidden_size)
+        cache.fill(job, target, answers, args.max_len, args.batch_tokens)
+        distil(job, target, cache, answers, evals, args)
+    if args.phase in ("all", "distil", "eval") and (job.out / "checkpoint.pt").is_file():
+        draft = make_draft(target, args.layers)
+        draft.load_state_dict(torch.load(job.out / "checkpoint.pt",
+                                         weights_only=False)["draft"], strict=False)
+        ev = summarize(agreement(draft.eval(), evals))
+        job.update(phase="done", final_eval=ev)
+        log.info("held-out agreement: %s", json.dumps(ev))
+    if args.export:
+        export(job, target, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
