@@ -159,7 +159,9 @@ class AlignedDraft:
             if conf is not None:
                 confs.append(conf)
             fb.positions.add_(1)
-            if self.on_round is not None and not self.on_round(batch, conf):
+            # on_round set: want_conf, so every round has a confidence
+            if self.on_round is not None and conf is not None \
+                    and not self.on_round(batch, conf):
                 break  # the plan: one more round would lower the expected goodput
         if len(drafts) < k:
             # fewer rounds than prepared: the verify (and the draft extend after it) use the

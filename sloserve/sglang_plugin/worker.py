@@ -122,7 +122,8 @@ class SpecServeWorker(StandaloneWorkerV2):  # type: ignore[misc]  # SGLang is un
         dw.draft = _timed(dw.draft, lambda st, t: st.add_times(draft=t), dev)
         dw._draft_extend_for_decode = _timed(dw._draft_extend_for_decode,
                                              lambda st, t: st.add_times(extend=t), dev)
-        self.verify = _timed(self.verify, lambda st, t: st.add_times(verify=t), dev)
+        self.verify = _timed(  # type: ignore[method-assign]  # an instance's timed verify
+            self.verify, lambda st, t: st.add_times(verify=t), dev)
         logger.info("SPECSERVE: sloserve %s, draft steps 0..%d, default TPOT SLO %s, %s steps",
                     ctl.policy.name, ctl.k_max, ctl.default_tpot_slo,
                     "per-request" if self.per_request else "uniform")
