@@ -17,8 +17,15 @@ that one step lives in the plan, which the caller carries through the step and h
     policy.observe(plan, outcome)             # VerifyOutcome
 
 A caller that must fix one draft length for the whole batch before drafting (SGLang's
-speculative workers run a fixed number of draft steps) asks a SpecServe plan for
-`uniform_rounds()` instead of calling extend, and reports [B, 0] confidences if it has none.
+speculative workers run a fixed number of draft steps) asks the plan `batch_rounds()`, a
+question every plan answers, instead of calling extend, and reports [B, 0] confidences.
+
+Callers do not write this loop themselves: `SpecSession` is one step of it, an object made
+from the policy and the StepInfo that the caller drives. The built-in engine and the
+simulator pull (runtime/spec/rounds.py `draft_rounds`: the loop asks the session after each
+round), SGLang's worker pushes (its draft forwards call `after_round` from inside SGLang's
+draft loop, the session travelling on SGLang's batch); both end in `finish`, the one place
+a VerifyOutcome is built and the policy observes it.
 
 `drafted_now` is the subset of `drafting` that really drafted position j (a model-free
 drafter may find no proposal for some); `extend` returns a subset of it (nobody past
@@ -33,6 +40,7 @@ request id and dropped on `release`. The design and its math: docs/design.md.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,10 +60,18 @@ class StepInfo:
     prefill_context: int = 0  # context tokens those prefill chunks attend to
     draft_lag: np.ndarray | None = None  # [B] int64: tokens the draft model must catch up on
     # before its first draft token (0 or 1 usually; >1 after steps without drafting)
+    # [B] float64 seconds this step may take for request r, where a policy derived it from
+    # the SLO (specserve-slo: SLO + slack, scaled by the expected tokens); None: tpot_slo
+    step_allowance: np.ndarray | None = None
 
     @property
     def batch_size(self) -> int:
         return len(self.request_ids)
+
+    @property
+    def step_limits(self) -> np.ndarray:
+        """[B] seconds the step may take per request: step_allowance, else tpot_slo."""
+        return self.tpot_slo if self.step_allowance is None else self.step_allowance
 
 
 @dataclass(frozen=True)
@@ -93,6 +109,20 @@ class SpecPlan(ABC):
         """[B] int64 k_r with 0 <= k_r <= drafted[r]: draft tokens each request verifies.
         confidences: [B, s] with s = drafted.max()."""
 
+    def batch_rounds(self) -> int:
+        """One draft length for the whole batch, chosen before drafting (0 = plain decoding),
+        for callers that cannot consult the plan between rounds: every request then drafts
+        and verifies that many tokens. Default: the rounds the plan's own drafting reaches
+        when no confidence is known (extend asked with NaN confidences, every request that
+        drafts drafting); plans whose extend learns from what it is told override it."""
+        B, k_max = self.step.batch_size, self.step.k_max
+        drafting = np.asarray(self.drafting, dtype=bool)
+        j = 0
+        while j < k_max and drafting.any():
+            j += 1
+            drafting = np.asarray(self.extend(np.full((B, j), np.nan), drafting), dtype=bool)
+        return j
+
 
 class SpecPolicy(ABC):
     """Decides, every step and per request, how many tokens to draft and to verify."""
@@ -113,3 +143,118 @@ class SpecPolicy(ABC):
     def speculates(self) -> bool:
         """False for policies that never draft (the caller then skips the draft model)."""
         return True
+
+
+class SpecSession:
+    """One decode step of speculation, driven by its caller: made from the policy and the
+    step's StepInfo (the policy plans it), then
+
+        session.drafting                       [B] bool: who drafts the next position
+        session.after_round(conf, drafted_now) after every draft round -> who drafts on
+        session.verify_lengths()               [B] k_r once drafting stopped
+        session.finish(accepted, times)        -> the VerifyOutcome the policy observed
+
+    or, for a caller that fixes one length for the batch before drafting,
+    `batch_rounds()` (or `fix_rounds(k)`) instead of after_round / verify_lengths. A pull
+    caller loops over the session (runtime/spec/rounds.py); a push caller calls it from its
+    own loop (SGLang's draft forwards). Both see the same decisions for the same inputs."""
+
+    def __init__(self, policy: SpecPolicy, step: StepInfo) -> None:
+        self.policy = policy
+        self.step = step
+        B = step.batch_size
+        t = time.perf_counter()
+        self.plan = plan = policy.plan(step)
+        self.plan_time = time.perf_counter() - t  # seconds in policy.plan
+        self.policy_time = 0.0  # seconds in the plan's extend / verify_lengths
+        self.k_max = k_max = step.k_max
+        self.drafting: np.ndarray = (np.asarray(plan.drafting, dtype=bool).copy()
+                                     if k_max > 0 and B else np.zeros(B, dtype=bool))
+        self.confidences = np.full((B, k_max), np.nan)  # [B, k_max], NaN: not drafted
+        self.drafted = np.zeros(B, dtype=np.int64)  # [B] s_r so far
+        self.rounds = 0  # draft rounds run (columns of confidences in use)
+        self.verified: np.ndarray | None = None  # [B] k_r once chosen
+        self.uniform: int | None = None  # the batch's one length, for a uniform step
+        self.outcome: VerifyOutcome | None = None
+
+    # ----- per-request steps: the plan steers every round
+    def after_round(self, confidences: np.ndarray | Sequence[float],
+                    drafted_now: np.ndarray | None = None) -> np.ndarray:
+        """The requests in drafted_now (default: all of `drafting`) drafted one more position
+        with these [B] confidences (read only where drafted). Returns and stores who drafts
+        the next position (none past k_max)."""
+        now = self.drafting if drafted_now is None else np.asarray(drafted_now, dtype=bool)
+        j = self.rounds
+        if j >= self.k_max:
+            raise RuntimeError(f"draft round {j + 1} past k_max {self.k_max}")
+        col = np.asarray(confidences, dtype=np.float64)
+        self.confidences[:, j] = np.where(now, col, np.nan)
+        self.drafted += now
+        self.rounds = j = j + 1
+        if not np.count_nonzero(now):  # nobody drafted: the plan has nothing to decide
+            self.drafting = now.copy()
+            return self.drafting
+        t = time.perf_counter()
+        nxt = np.asarray(self.plan.extend(self.confidences[:, :j], now), dtype=bool)
+        self.policy_time += time.perf_counter() - t
+        self.drafting = nxt & now if j < self.k_max else np.zeros_like(now)
+        return self.drafting
+
+    @property
+    def longest(self) -> int:
+        """max_r s_r."""
+        return int(self.drafted.max()) if len(self.drafted) else 0
+
+    def verify_lengths(self) -> np.ndarray:
+        """[B] int64 k_r, 0 <= k_r <= s_r: the plan's verify lengths (whatever it returned,
+        clipped); the uniform length for a uniform step."""
+        if self.uniform is not None or not self.longest:
+            self.verified = self.drafted.copy()
+            return self.verified
+        s = self.longest
+        t = time.perf_counter()
+        k = np.asarray(self.plan.verify_lengths(self.confidences[:, :s], self.drafted.copy()))
+        self.policy_time += time.perf_counter() - t
+        self.verified = np.minimum(np.maximum(k.astype(np.int64), 0), self.drafted)
+        return self.verified
+
+    # ----- uniform steps: one length for the batch, fixed before drafting
+    def batch_rounds(self) -> int:
+        """The plan's one draft length for the batch (0..k_max); the step becomes uniform:
+        every request drafts and verifies that many tokens."""
+        if not self.step.batch_size or self.k_max <= 0:
+            return self.fix_rounds(0)
+        t = time.perf_counter()
+        k = self.plan.batch_rounds()
+        self.policy_time += time.perf_counter() - t
+        return self.fix_rounds(k)
+
+    def fix_rounds(self, k: int) -> int:
+        """Make this a uniform step of k rounds (clipped to 0..k_max) whatever the plan
+        said (profiling sweeps); returns k."""
+        k = max(0, min(int(k), self.k_max))
+        self.uniform = self.rounds = k
+        self.drafted = np.full(self.step.batch_size, k, dtype=np.int64)
+        self.drafting = np.zeros(self.step.batch_size, dtype=bool)
+        return k
+
+    # ----- the end of the step
+    def finish(self, accepted: np.ndarray | Sequence[int], step_time: float,
+               draft_time: float, verify_time: float | None = None) -> VerifyOutcome:
+        """The verify outcome (accepted drafts per request, bonus excluded; clipped to the
+        verified ones) handed to the policy's observe; returned to the caller."""
+        if self.outcome is not None:
+            raise RuntimeError("the session's step already finished")
+        verified = self.verified if self.verified is not None else self.verify_lengths()
+        B = self.step.batch_size
+        # a uniform step's confidences are unknown to the plan: [B, 0]
+        conf = np.zeros((B, 0)) if self.uniform is not None else self.confidences
+        self.outcome = outcome = VerifyOutcome(
+            drafted=self.drafted.copy(), verified=verified.copy(),
+            accepted=np.minimum(np.asarray(accepted, dtype=np.int64), verified),
+            confidences=conf, step_time=step_time, draft_time=draft_time,
+            verify_time=verify_time)
+        t = time.perf_counter()
+        self.policy.observe(self.plan, outcome)
+        self.policy_time += time.perf_counter() - t
+        return outcome

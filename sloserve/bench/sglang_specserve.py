@@ -15,10 +15,10 @@ CPU engine's flags added on machines without CUDA), float32, the same model pair
                   per batch and step, k_max 4), its cost profile of SGLang's forwards if one
                   is in the user cache (python -m sloserve.profiler --engine sglang),
                   corrected online
-    specserve:per-request  the same with SLOSERVE_SGLANG_LENGTHS=per-request (the plan stops
+    specserve:per-request  the same with --spec-lengths per-request (the plan stops
                   drafting round by round; per-request verify lengths, a ragged verify)
     specserve:MODE:OPTIONS  MODE (uniform | per-request) with the policy's options set
-                  (SLOSERVE_SPEC_OPTIONS, '+' between name=value pairs), e.g.
+                  (--spec-options, "+" between name=value pairs), e.g.
                   specserve:per-request:uniform_margin=0
 
 SGLang's own adaptive speculation (`--speculative-adaptive`) applies only to EAGLE/EAGLE3
@@ -73,21 +73,15 @@ def system_args(system: str, target: str, draft: str) -> list[str]:
     if system == "plain":
         return pair + ["--spec-policy", "ar"]
     if system.startswith("specserve"):
-        return pair + ["--k-max", "4"]
+        _, mode, options = (system.split(":", 2) + ["", ""])[:3]
+        return pair + ["--k-max", "4", "--spec-policy", "specserve",
+                       "--spec-lengths", mode or "uniform",
+                       "--spec-options", options.replace("+", ",")]
     steps = int(system.split(":")[1])  # SGLang's own: sloserve adds nothing (ar) but the CPU
     return ["--model-path", target, "--spec-policy", "ar",  # engine's flags
             "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", draft,
             "--speculative-num-steps", str(steps), "--speculative-eagle-topk", "1",
             "--speculative-num-draft-tokens", str(steps + 1)]
-
-
-def system_env(system: str) -> dict[str, str]:
-    """The SPECSERVE worker's settings of one system (sglang_plugin/settings.py)."""
-    if not system.startswith("specserve"):
-        return {}
-    _, mode, options = (system.split(":", 2) + ["", ""])[:3]
-    return {"SLOSERVE_SGLANG_LENGTHS": mode or "uniform",
-            "SLOSERVE_SPEC_OPTIONS": options.replace("+", ",")}
 
 
 class Server:
@@ -143,7 +137,7 @@ def run_system(system: str, python: str, target: str, draft: str, levels: list[i
                repeats: int, new_tokens: int, prompts: list[list[int]], logs: Path,
                port: int) -> dict[int, list[dict]]:
     server = Server(python, system_args(system, target, draft), port,
-                    logs / f"{system.replace(':', '-')}.log", system_env(system))
+                    logs / f"{system.replace(':', '-')}.log")
     t0 = time.monotonic()
     try:
         server.wait()

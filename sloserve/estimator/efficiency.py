@@ -26,10 +26,11 @@ SLO_VIOLATION = -1.0
 
 
 def binding_slo(step: StepInfo) -> float:
-    """The tightest TPOT SLO of the batch in seconds (inf when none has one)."""
+    """The tightest step-time limit of the batch in seconds (inf when none has one): the
+    TPOT SLOs, or the allowances a policy derived from them (StepInfo.step_limits)."""
     if step.batch_size == 0:
         return float("inf")
-    slo = np.asarray(step.tpot_slo)
+    slo = np.asarray(step.step_limits)
     return float(slo[slo.argmin()])  # min() without a reduction's overhead (every step)
 
 

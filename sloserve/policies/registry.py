@@ -22,7 +22,8 @@ baseline to TurboSpec's n-gram mode (propose k_max, choose the verification leng
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 
 from sloserve.estimator.cost_model import CostModel
 from sloserve.policies.adaserve import AdaServePolicy
@@ -33,6 +34,7 @@ from sloserve.policies.hf import HFHeuristicPolicy, HFThresholdPolicy
 from sloserve.policies.lut import LookupTablePolicy, default_table, parse_table
 from sloserve.policies.sglang_adaptive import SGLangAdaptivePolicy
 from sloserve.policies.specserve import SpecServePolicy
+from sloserve.policies.specserve.options import parse_options
 from sloserve.policies.specserve.slo_policy import SloSpecServePolicy
 from sloserve.speculation import SpecPolicy
 
@@ -103,14 +105,21 @@ def _sglang(arg: str | None, cost: CostModel, k_max: int, drafter: str) -> SpecP
 def _specserve(verifier: bool) -> Builder:
     def build(arg: str | None, cost: CostModel, k_max: int, drafter: str) -> SpecPolicy:
         _no_arg("specserve" if verifier else "specserve-drafter", arg)
-        return SpecServePolicy(cost, k_max, verifier=verifier)
+        return SpecServePolicy(cost, k_max, verifier=verifier,
+                               options=parse_options(_OPTIONS.get()))
 
     return build
 
 
 def _specserve_slo(arg: str | None, cost: CostModel, k_max: int, drafter: str) -> SpecPolicy:
     _no_arg("specserve-slo", arg)
-    return SloSpecServePolicy(cost, k_max)
+    return SloSpecServePolicy(cost, k_max, options=parse_options(_OPTIONS.get()))
+
+
+# the options of the policy being built (make_policy's `options`; only the SpecServe family
+# takes any)
+_OPTIONS: ContextVar[tuple[tuple[str, str], ...]] = ContextVar("policy_options", default=())
+_TAKES_OPTIONS = ("specserve", "specserve-drafter", "specserve-slo")
 
 
 def _adaserve(arg: str | None, cost: CostModel, k_max: int, drafter: str) -> SpecPolicy:
@@ -134,11 +143,12 @@ _BUILDERS: dict[str, Builder] = {
 
 
 def make_policy(spec: str, cost: CostModel, *, k_max: int, drafter: str = "model",
-                calibration=None) -> SpecPolicy:
+                calibration=None, options: Sequence[tuple[str, str]] = ()) -> SpecPolicy:
     """The policy named by `spec` (see the module docstring). Raises ValueError naming the
     valid choices on an unknown or malformed spec, k_max < 0 or an unknown drafter.
     calibration: the pair's offline confidence -> acceptance counts ([2, n_bins], from the
-    profile); policies that learn a calibration map start from it."""
+    profile); policies that learn a calibration map start from it. options: (name, value)
+    pairs of the policy's options (SpecServeOptions fields for the SpecServe family)."""
     if drafter not in DRAFTERS:
         raise ValueError(f"unknown drafter {drafter!r}; valid: {', '.join(DRAFTERS)}")
     if k_max < 0:
@@ -147,10 +157,15 @@ def make_policy(spec: str, cost: CostModel, *, k_max: int, drafter: str = "model
     builder = _BUILDERS.get(name)
     if builder is None or (sep and not arg):
         raise ValueError(f"unknown speculation policy {spec!r}; valid: {SPEC_GRAMMAR}")
+    if options and name not in _TAKES_OPTIONS:
+        raise ValueError(f"policy {name!r} takes no options (only {', '.join(_TAKES_OPTIONS)})")
+    token = _OPTIONS.set(tuple(options))
     try:
         policy = builder(arg if sep else None, cost, k_max, drafter)
     except ValueError as err:
         raise ValueError(f"bad speculation policy {spec!r}: {err}; valid: {SPEC_GRAMMAR}") from err
+    finally:
+        _OPTIONS.reset(token)
     if calibration is not None and isinstance(policy, SpecServePolicy | AdaServePolicy):
         policy.seed_calibration(calibration)
     return policy

@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from sloserve.runtime.scheduler import SchedulerConfig
+from sloserve.spec_config import DEFAULTS as SPEC_DEFAULTS
 
 
 @dataclass(frozen=True)
@@ -16,8 +17,9 @@ class EngineConfig:
     model_path: str | None = None  # None = the built-in target
     draft_model_path: str | None = None  # None = the built-in draft (with drafter "model")
     drafter: str = "model"  # model | ngram | none
-    spec_policy: str = "specserve-slo"  # see sloserve.policies.registry
-    k_max: int = 8  # most draft tokens per request per step
+    # the speculation defaults both engines share (sloserve/spec_config.py)
+    spec_policy: str = SPEC_DEFAULTS.policy  # see sloserve.policies.registry
+    k_max: int = SPEC_DEFAULTS.k_max  # most draft tokens per request per step
     tpot_slo: float | None = None  # seconds; default TPOT SLO of requests without their own
     ttft_slo: float | None = None
     kv_cache_tokens: int = 65536  # KV capacity shared by all requests, in tokens

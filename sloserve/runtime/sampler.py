@@ -19,19 +19,34 @@ def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     """logits: [N, V] float32, one row per entry of params (all with temperature > 0).
     Returns probs [N, V]: softmax(logits / T), then top-k, then top-p, renormalised."""
     vocab = logits.shape[-1]
+    return processed_distribution(
+        logits, torch.tensor([min(p.temperature, MAX_TEMPERATURE) for p in params],
+                             dtype=torch.float64),
+        torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params]),
+        torch.tensor([p.top_p for p in params], dtype=torch.float64))
+
+
+def processed_distribution(logits: torch.Tensor, temperature: torch.Tensor,
+                           top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The one processed-distribution rule of both engines (the built-in sampler and the
+    SPECSERVE worker inside SGLang): logits [N, V]; temperature [N] > 0, top_k [N] (<= 0 or
+    >= V: no top-k; 1: the argmax only), top_p [N]. Returns [N, V] in logits' dtype:
+    softmax(logits / T), then top-k, then top-p, renormalised."""
+    vocab = logits.shape[-1]
     # every value is brought into the range its tensor holds before it becomes one: a
     # temperature above MAX_TEMPERATURE is uniform sampling already (and inf would turn a
     # masked -inf logit into NaN); top_k beyond the vocabulary is no top-k (and 10**30
     # overflows int64); top_p below float32's smallest value is "the top token only"
-    temps = torch.tensor([min(p.temperature, MAX_TEMPERATURE) for p in params],
-                         dtype=logits.dtype)
+    dev = logits.device
+    temps = temperature.to(torch.float64).clamp(1e-6, MAX_TEMPERATURE).to(logits.dtype).to(dev)
     probs = torch.softmax(logits / temps[:, None], dim=-1)
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params])
-    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
+    top_k = top_k.to(torch.int64).to(dev)
+    top_k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.zeros_like(top_k))
+    top_p = top_p.to(logits.dtype).to(dev)
     if not ((top_k > 0).any() or (top_p < 1).any()):
         return probs
     sorted_p, idx = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(probs.shape[-1])
+    rank = torch.arange(probs.shape[-1], device=dev)
     sorted_p = torch.where((top_k[:, None] > 0) & (rank[None, :] >= top_k[:, None]), 0.0, sorted_p)
     sorted_p = sorted_p / sorted_p.sum(-1, keepdim=True)
     before = sorted_p.cumsum(-1) - sorted_p  # mass of the strictly more likely tokens

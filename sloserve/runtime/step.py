@@ -26,7 +26,6 @@ from sloserve.runtime.spec.acceptance import greedy_accept, speculative_accept
 from sloserve.runtime.spec.draft_sources import ModelDrafter, NgramDrafter
 from sloserve.runtime.spec.rounds import (
     DraftResult,
-    choose_verify_lengths,
     draft_rounds,
     step_info,
 )
@@ -39,7 +38,7 @@ from sloserve.runtime.step_books import (
     settle_kv,
     take_draft_prefill,
 )
-from sloserve.speculation import SpecPlan, VerifyOutcome
+from sloserve.speculation import SpecSession
 
 Touched = tuple[Request, list[int], str]  # request, new token ids, new text
 
@@ -112,21 +111,16 @@ class StepRunner:
             return []
         prefills, decodes = sched.prefills, sched.decodes
         # 2-4. plan, draft rounds, verify lengths (decodes only, when speculating)
-        plan: SpecPlan | None = None
         draft: DraftResult | None = None
         if decodes and self.speculative:
             assert self.drafter is not None
             info = step_info(decodes, self.cfg.k_max, self.cfg.tpot_slo, *prefill_load(prefills))
-            t_plan = time.perf_counter()
-            plan = self.policy.plan(info)
-            planning = time.perf_counter() - t_plan
+            session = SpecSession(self.policy, info)
             # a request's drafts are verified at positions num_tokens .. num_tokens + k - 1:
             # they must lie inside the context window
             room = np.array([self.max_context - r.num_tokens for r in decodes], dtype=np.int64)
-            draft = draft_rounds(self.drafter, plan, decodes, self.cfg.k_max, room)
-            choose_verify_lengths(plan, draft)
-            draft.draft_time += planning  # the drafting loop as timed: planning included
-            draft.policy_time += planning
+            draft = draft_rounds(self.drafter, session, decodes, room)
+            draft.draft_time += session.plan_time  # the drafting loop as timed: planning included
         # 5. one ragged target forward: prefill chunks, then per decode its last token and
         # the k_r drafts it verifies (logits for every query token of a verify segment)
         chains = [draft.tokens[i, : int(draft.k[i])].tolist() if draft is not None else []
@@ -169,21 +163,16 @@ class StepRunner:
         step_time = time.perf_counter() - t0
         account_step(self.stats, decodes, draft, accepted, step_time, len(prefills),
                      binding_tpot(decodes, self.cfg.tpot_slo), time.time())
-        if plan is not None and draft is not None:
-            self._feedback(plan, draft, accepted, step_time, verify_time)
+        if draft is not None:
+            self._feedback(draft, accepted, step_time, verify_time)
         return touched
 
-    def _feedback(self, plan: SpecPlan, draft: DraftResult, accepted: list[int],
-                  step_time: float, verify_time: float) -> None:
+    def _feedback(self, draft: DraftResult, accepted: list[int], step_time: float,
+                  verify_time: float) -> None:
         s = self.stats
         s.draft_forwards += draft.forwards if isinstance(self.drafter, ModelDrafter) else 0
-        t = time.perf_counter()
-        self.policy.observe(plan, VerifyOutcome(
-            drafted=draft.drafted.copy(), verified=draft.k.copy(),
-            accepted=np.array(accepted, dtype=np.int64), confidences=draft.confidences,
-            step_time=step_time, draft_time=draft.draft_time, verify_time=verify_time,
-        ))
-        s.policy_time_total += draft.policy_time + time.perf_counter() - t
+        draft.session.finish(accepted, step_time, draft.draft_time, verify_time)
+        s.policy_time_total += draft.policy_time
 
     def _process(self, reqs: list[Request], chains: list[list[int]], rows: list[slice],
                  logits: torch.Tensor) -> list[Processed | None]:

@@ -16,6 +16,7 @@ from sloserve.runtime.request import Request
 from sloserve.runtime.scheduler import Scheduler
 from sloserve.runtime.spec.rounds import DraftResult
 from sloserve.runtime.stats import EngineStats, StepRecord
+from sloserve.slo import effective_slo
 
 Prefills = Sequence[tuple[Request, int]]  # (request, chunk length) as the scheduler gives them
 
@@ -66,7 +67,7 @@ def settle_kv(req: Request, scheduler: Scheduler) -> None:
 
 def binding_tpot(decodes: Sequence[Request], default: float | None) -> float:
     """The tightest TPOT SLO among the decoding requests (inf when none has one)."""
-    return min((r.params.tpot_slo or default or math.inf for r in decodes), default=math.inf)
+    return min((effective_slo(r.params.tpot_slo, default) for r in decodes), default=math.inf)
 
 
 def account_step(stats: EngineStats, decodes: Sequence[Request], draft: DraftResult | None,

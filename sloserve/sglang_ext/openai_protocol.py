@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sloserve.runtime.constraints.spec import GrammarSpec, grammar_spec
 from sloserve.runtime.request import InvalidRequest, SamplingParams
 from sloserve.sglang_ext.errors import APIError
+from sloserve.slo import request_slos
 
 # unknown keys are kept aside (model_extra), logged and ignored
 STRICT = ConfigDict(extra="allow", strict=True)
@@ -61,6 +62,7 @@ class _Sampling(BaseModel):
     no_stop_trim: bool = False
     tpot_slo: float | None = None
     ttft_slo: float | None = None
+    custom_params: dict[str, Any] | None = None  # SGLang's spelling: only the SLO keys
     # SGLang's extensions that sglang-router sends at their defaults
     skip_special_tokens: bool = True
     return_hidden_states: bool = False
@@ -75,6 +77,8 @@ class _Sampling(BaseModel):
                                     "special tokens are always skipped in the output text"),
             "return_hidden_states": (self.return_hidden_states, (False,),
                                      "return_hidden_states is not supported"),
+            "custom_params": (request_slos(self)["custom_params"], (None,),
+                              "custom_params is not supported (but for tpot_slo, ttft_slo)"),
             **extra,
         }
         for name, (value, ok, why) in checks.items():
@@ -104,7 +108,7 @@ class _Sampling(BaseModel):
                 seed=self.seed, stop=tuple([self.stop] if isinstance(self.stop, str)
                                            else self.stop or ()),
                 stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-                no_stop_trim=self.no_stop_trim, tpot_slo=self.tpot_slo, ttft_slo=self.ttft_slo,
+                no_stop_trim=self.no_stop_trim, **_slos(self),
                 min_new_tokens=self.min_tokens, frequency_penalty=self.frequency_penalty or 0.0,
                 presence_penalty=self.presence_penalty or 0.0,
                 repetition_penalty=(1.0 if self.repetition_penalty is None
@@ -114,6 +118,12 @@ class _Sampling(BaseModel):
         except InvalidRequest as e:
             name = _OPENAI_NAMES.get(e.field, e.field)
             raise APIError.bad(name, str(e).split(": ", 1)[1]) from None
+
+
+def _slos(req: Any) -> dict[str, Any]:
+    """tpot_slo / ttft_slo, top-level (extra_body) or in custom_params (sloserve.slo)."""
+    slos = request_slos(req)
+    return {"tpot_slo": slos["tpot_slo"], "ttft_slo": slos["ttft_slo"]}
 
 
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}

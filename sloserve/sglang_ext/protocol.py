@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict
 from sloserve.runtime.constraints.spec import grammar_spec
 from sloserve.runtime.request import InvalidRequest, SamplingParams
 from sloserve.sglang_ext.errors import APIError, from_invalid
+from sloserve.slo import request_slos
 
 STRICT = ConfigDict(extra="forbid", strict=True)
 # a request body's top level: unknown keys are kept aside (model_extra), logged and ignored
@@ -69,7 +70,7 @@ _NEUTRAL: list[tuple[str, tuple, str]] = [
      "regex, json_schema or ebnf"),
     ("stop_regex", (None, "", []), "stop_regex is not supported; use stop strings"),
     ("logit_bias", (None, {}), "logit_bias is not supported"),
-    ("custom_params", (None, {}), "custom_params is not supported"),
+    ("custom_params", (None, {}), "custom_params is not supported (but for tpot_slo, ttft_slo)"),
     ("skip_special_tokens", (True,), "special tokens are always skipped in the output text"),
 ]
 
@@ -81,8 +82,9 @@ def to_engine_params(
     """Engine sampling parameters; 400 naming the key for unsupported or out-of-range values.
     `max_new_tokens` is the resolved (positive) token budget; `logprobs`: None, or the number
     of top log-probabilities per output token the engine records (return_logprob)."""
+    slos = request_slos(sp)  # tpot_slo / ttft_slo directly or in custom_params (sloserve.slo)
     for key, neutral, why in _NEUTRAL:
-        if getattr(sp, key) not in neutral:
+        if slos.get(key, getattr(sp, key)) not in neutral:
             raise APIError.bad(prefix + key, why)
     if sp.seed is not None and sp.sampling_seed is not None and sp.seed != sp.sampling_seed:
         raise APIError.bad(prefix + "seed", "differs from sampling_seed (give one of them)")
@@ -93,7 +95,7 @@ def to_engine_params(
             top_k=sp.top_k, seed=sp.sampling_seed if sp.sampling_seed is not None else sp.seed,
             stop=tuple([sp.stop] if isinstance(sp.stop, str) else sp.stop or ()),
             stop_token_ids=tuple(sp.stop_token_ids or ()), ignore_eos=sp.ignore_eos,
-            no_stop_trim=sp.no_stop_trim, tpot_slo=sp.tpot_slo, ttft_slo=sp.ttft_slo,
+            no_stop_trim=sp.no_stop_trim, tpot_slo=slos["tpot_slo"], ttft_slo=slos["ttft_slo"],
             min_new_tokens=sp.min_new_tokens, frequency_penalty=sp.frequency_penalty,
             presence_penalty=sp.presence_penalty, repetition_penalty=sp.repetition_penalty,
             regex=sp.regex, json_schema=sp.json_schema, ebnf=sp.ebnf, logprobs=logprobs,

@@ -21,6 +21,7 @@ from sloserve.runtime.request import InvalidRequest, SamplingParams, validate_pr
 from sloserve.sglang_ext.errors import APIError, from_invalid
 from sloserve.sglang_ext.logprobs import PoolBusy, Scores, score_tokens
 from sloserve.sglang_ext.metrics import EngineSnapshot, ServerMetrics, take_snapshot
+from sloserve.slo import effective_slo
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -231,8 +232,8 @@ class ServingState:
             self.metrics.ttft.observe(ttft)
         self.metrics.observe_finished(
             ttft=ttft, e2e=prog.e2e_latency, completion_tokens=last.completion_tokens,
-            ttft_slo=params.ttft_slo or self.cfg.ttft_slo,
-            tpot_slo=params.tpot_slo or self.cfg.tpot_slo,
+            ttft_slo=effective_slo(params.ttft_slo, self.cfg.ttft_slo),
+            tpot_slo=effective_slo(params.tpot_slo, self.cfg.tpot_slo),
         )
 
     async def abort(self, rid: str) -> bool:

@@ -23,26 +23,16 @@ from __future__ import annotations
 
 import torch
 
+from sloserve.runtime.sampler import draw, processed_distribution
+from sloserve.runtime.spec.acceptance import speculative_accept
+
 
 def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                     top_p: torch.Tensor) -> torch.Tensor:
-    """[n, V] float32 distributions after temperature, top-k and top-p (renormalised), as
-    SGLang's sampler processes them; rows with top_k == 1 are one-hot on the argmax.
-    temperature, top_p: [n] float; top_k: [n] int (>= V: no top-k)."""
-    n, V = logits.shape
-    probs = torch.softmax(logits.float() / temperature.float().clamp_min(1e-6)[:, None], dim=-1)
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(V, device=logits.device)[None, :]
-    keep = rank < top_k.clamp(1, V)[:, None]
-    # top-p: keep the smallest prefix whose mass reaches top_p (the first token always)
-    before = sorted_p.cumsum(dim=-1) - sorted_p
-    keep &= before < top_p.float()[:, None]
-    keep[:, 0] = True
-    sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
-    sorted_p = sorted_p / sorted_p.sum(dim=-1, keepdim=True)
-    out = torch.zeros_like(probs)
-    out.scatter_(1, order, sorted_p)
-    return out
+    """[n, V] float32 distributions after temperature, top-k and top-p: the built-in
+    engine's rule (runtime/sampler.py processed_distribution) on SGLang's per-row sampling
+    tensors; rows with top_k == 1 (SGLang's greedy) are one-hot on the argmax."""
+    return processed_distribution(logits.float(), temperature, top_k, top_p)
 
 
 def draft_pick(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -61,32 +51,19 @@ def draft_pick(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
 
 def verify_chains(p: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor, k: list[int],
                   accept_all: bool = False) -> tuple[list[int], list[int]]:
-    """The acceptance rule per request. p: [B, n, V] target distributions (row j predicts the
-    token after the chain's j-th token; n = s + 1); drafts: [B, s] the proposals; q: [B, s, V]
-    the distributions they were drawn from; k: [B] verify lengths (<= s). Returns (accepted
-    drafts m_r, the token emitted after them). accept_all: TEST ONLY, a deliberately wrong
-    rule that accepts every draft (tests show it changes the output distribution)."""
-    B = len(k)
-    s = drafts.shape[1]
-    if s:
-        px = p[:, :s].gather(2, drafts[:, :, None]).squeeze(2)  # [B, s] p_{j-1}(x_j)
-        qx = q.gather(2, drafts[:, :, None]).squeeze(2)  # [B, s]
-        ok = torch.rand(B, s, device=p.device) * qx < px  # u < p / q, without dividing by 0
-        if accept_all:
-            ok[:] = True
-    else:
-        ok = torch.zeros(B, 0, dtype=torch.bool)
+    """The acceptance rule per request: runtime/spec/acceptance.py `speculative_accept`, the
+    built-in engine's, on each chain's first k_r drafts. p: [B, n, V] target distributions
+    (row j predicts the token after the chain's j-th token; n = s + 1); drafts: [B, s] the
+    proposals; q: [B, s, V] the distributions they were drawn from; k: [B] verify lengths
+    (<= s). Returns (accepted drafts m_r, the token emitted after them). accept_all: TEST
+    ONLY, a deliberately wrong rule that accepts every verified draft (tests show it
+    changes the output distribution)."""
     accepted, final = [], []
-    for r in range(B):
-        m = 0
-        while m < k[r] and bool(ok[r, m]):
-            m += 1
-        if m < k[r]:  # rejected at position m + 1: the residual distribution
-            res = (p[r, m] - q[r, m]).clamp_min(0.0)
-            tot = float(res.sum())
-            dist = res / tot if tot > 0.0 else p[r, m]
+    for r, kr in enumerate(k):
+        if accept_all:
+            emitted = drafts[r, :kr].tolist() + [draw(p[r, kr], None)]
         else:
-            dist = p[r, m]
-        accepted.append(m)
-        final.append(int(torch.multinomial(dist, 1)))
+            emitted = speculative_accept(drafts[r, :kr].tolist(), q[r, :kr], p[r, :kr + 1], None)
+        accepted.append(len(emitted) - 1)
+        final.append(int(emitted[-1]))
     return accepted, final

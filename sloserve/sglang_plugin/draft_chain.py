@@ -27,23 +27,28 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
-from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-from sglang.srt.speculative.draft_utils import DraftBackendFactory
-from sglang.srt.speculative.eagle_info import EagleDraftExtendInput, EagleDraftInput
-from sglang.srt.speculative.eagle_utils import per_step_draft_out_cache_loc
-from sglang.srt.speculative.eagle_worker_common import (
-    build_eagle_verify_input,
-    prepare_for_draft,
-    prepare_for_draft_extend,
-)
 
 from sloserve.sglang_plugin.chain_sampling import draft_pick
+from sloserve.sglang_plugin.sglang_internals import (
+    CaptureHiddenMode,
+    DraftBackendFactory,
+    EagleDraftExtendInput,
+    EagleDraftInput,
+    ForwardBatch,
+    ForwardContext,
+    build_eagle_verify_input,
+    forward_context,
+    per_step_draft_out_cache_loc,
+    prepare_for_draft,
+    prepare_for_draft_extend,
+    replace_methods,
+)
 
-# (draft tokens [bs, k], confidences [bs, k]) of the chain just drafted
-ChainSink = Callable[[torch.Tensor, torch.Tensor], None]
-# after each draft round: the round's confidences [bs] -> whether another round runs
-RoundHook = Callable[[torch.Tensor], bool]
+# (the batch, draft tokens [bs, k], confidences [bs, k]) of the chain just drafted
+ChainSink = Callable[[Any, torch.Tensor, torch.Tensor], None]
+# after each draft round: (the batch, the round's confidences [bs]) -> whether another
+# round runs (the session on the batch decides: worker.py)
+RoundHook = Callable[[Any, torch.Tensor], bool]
 # drafting stopped after s < k rounds: switch the worker to s rounds before the verify
 RoundsDone = Callable[[int], None]
 
@@ -85,9 +90,8 @@ class AlignedDraft:
         return b
 
     def install(self) -> None:
-        self.dw._draft_extend_for_prefill = self.prefill_extend
-        self.dw.draft = self.draft
-        self.dw._draft_extend_for_decode = self.decode_extend
+        replace_methods(self.dw, _draft_extend_for_prefill=self.prefill_extend,
+                        draft=self.draft, _draft_extend_for_decode=self.decode_extend)
 
     # ----- prefill: the draft reads the chunk the target read
     def prefill_extend(self, batch: Any, target_hidden_states: Any, next_token_ids: torch.Tensor,
@@ -155,7 +159,9 @@ class AlignedDraft:
             if conf is not None:
                 confs.append(conf)
             fb.positions.add_(1)
-            if self.on_round is not None and not self.on_round(conf):
+            # on_round set: want_conf, so every round has a confidence
+            if self.on_round is not None and conf is not None \
+                    and not self.on_round(batch, conf):
                 break  # the plan: one more round would lower the expected goodput
         if len(drafts) < k:
             # fewer rounds than prepared: the verify (and the draft extend after it) use the
@@ -166,7 +172,7 @@ class AlignedDraft:
         draft_tokens = torch.stack(drafts, dim=1)  # [bs, k]
         self.last_q = torch.stack(qs, dim=1) if sampled else None
         if self.on_chain is not None:  # want_conf: a confidence per round
-            self.on_chain(draft_tokens, torch.stack(confs, dim=1))
+            self.on_chain(batch, draft_tokens, torch.stack(confs, dim=1))
         verify_input = build_eagle_verify_input(
             batch, draft_input, dw._topk1_parents_prealloc[:bs],
             dw._topk1_score_indices_prealloc[:bs], draft_tokens, None,

@@ -2,9 +2,11 @@
 server (`sglang.launch_server`) with sloserve's SPECSERVE speculative algorithm.
 
 sloserve's options are taken here and turned into SGLang's: the model pair (the built-in pair
-when none is given), `--tpot-slo` (the default SLO of the SPECSERVE controller),
-`--spec-policy` (specserve, specserve-drafter, or ar: SGLang without speculation, the
-reference), `--k-max` (the most draft steps per batch), `--host`, `--port`. Every other
+when none is given), `--tpot-slo` (the default SLO), `--spec-policy` (any policy of
+sloserve.policies.registry, or ar: SGLang without speculation, the reference), `--k-max`
+(the most draft steps per batch), `--spec-options`, `--host`, `--port`, with the built-in
+engine's defaults (sloserve/spec_config.py); the worker's settings travel to SGLang's
+processes as one serialised WorkerConfig (settings.py). Every other
 option (`--chat-template`, `--tokenizer-path`, `--api-key`, ...) goes to SGLang unchanged;
 none is abbreviated, and a busy port is an error before anything loads. On a machine without CUDA the CPU engine's flags and the
 sgl_kernel stand-in are added (cpu_server.py). Must run in a python with SGLang's runtime
@@ -20,7 +22,9 @@ import os
 import sys
 from collections.abc import Sequence
 
+from sloserve.estimator.cost_model import CostModel, ForwardCost
 from sloserve.listen import ListenError, check_free
+from sloserve.policies.registry import SPEC_GRAMMAR, make_policy
 from sloserve.sglang_plugin import settings
 from sloserve.sglang_plugin.cpu_server import (
     CPUServerConfig,
@@ -29,10 +33,17 @@ from sloserve.sglang_plugin.cpu_server import (
     server_command,
     server_env,
 )
+from sloserve.spec_config import DEFAULTS, SpeculationConfig
 from sloserve.units import duration
 
-SGLANG_VERSION = "0.5.23"
-POLICIES = ("specserve", "specserve-drafter", "ar")
+# the version sglang_internals.py supports (not imported from there: it imports SGLang)
+SUPPORTED_SGLANG = "0.5.23"
+
+SGLANG_VERSION = SUPPORTED_SGLANG
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
 
 
 def sglang_runtime_available() -> bool:
@@ -54,10 +65,27 @@ def build_parser() -> argparse.ArgumentParser:
                    "builtin)")
     p.add_argument("--draft-model-path", default=None,
                    help="draft model: a directory or a preset (default: the preset's own)")
-    p.add_argument("--tpot-slo", type=duration, default=None,
-                   help="default TPOT SLO, e.g. 30ms (a request's own: custom_params.tpot_slo)")
-    p.add_argument("--spec-policy", choices=POLICIES, default="specserve")
-    p.add_argument("--k-max", type=int, default=4, help="most draft steps per batch")
+    p.add_argument("--tpot-slo", type=duration, default=DEFAULTS.tpot_slo,
+                   help="default TPOT SLO, e.g. 30ms (a request's own: tpot_slo in its "
+                        "sampling params, or custom_params.tpot_slo)")
+    p.add_argument("--spec-policy", default=DEFAULTS.policy,
+                   help=f"{SPEC_GRAMMAR}; ar: SGLang without speculation")
+    p.add_argument("--k-max", type=int, default=DEFAULTS.k_max,
+                   help="most draft steps per batch")
+    p.add_argument("--spec-options", default="",
+                   help="the policy's options, name=value,... (SpecServeOptions fields)")
+    p.add_argument("--spec-lengths", choices=settings.LENGTHS, default="uniform",
+                   help="uniform: one draft length per batch; per-request: the plan stops "
+                        "drafting round by round and each request verifies its own length")
+    p.add_argument("--spec-profile", default=None,
+                   help="a profile of SGLang's forwards to use instead of the lookup")
+    p.add_argument("--spec-step-log", default=None,
+                   help="a file that gets one JSON line per per-request step")
+    # profiling (python -m sloserve.profiler --engine sglang) and tests only
+    p.add_argument("--spec-sweep", type=_ints, default=(), help=argparse.SUPPRESS)
+    p.add_argument("--spec-timings", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--spec-test-verify-lens", type=_ints, default=(), help=argparse.SUPPRESS)
+    p.add_argument("--spec-test-accept-all", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--max-total-tokens", type=int, default=None,
@@ -71,6 +99,20 @@ def sglang_args(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     args, passthrough = parser.parse_known_args(list(argv))
     if args.k_max < 1:
         parser.error(f"argument --k-max: must be >= 1, got {args.k_max}")
+    try:
+        worker = settings.WorkerConfig(
+            SpeculationConfig(policy=args.spec_policy, k_max=args.k_max, tpot_slo=args.tpot_slo,
+                              options=SpeculationConfig.parse_options(args.spec_options)),
+            lengths=args.spec_lengths, profile=args.spec_profile, sweep=args.spec_sweep,
+            timings=args.spec_timings, step_log=args.spec_step_log,
+            test_verify_lens=args.spec_test_verify_lens,
+            test_accept_all=args.spec_test_accept_all)
+        if args.spec_policy != "ar":  # the same check as the built-in engine's
+            free = ForwardCost.free()
+            make_policy(args.spec_policy, CostModel(free, free), k_max=args.k_max,
+                        options=worker.spec.options)
+    except ValueError as e:
+        parser.error(f"argument --spec-policy/--spec-options: {e}")
     from sloserve.runtime.models.presets import preset_has_draft, resolve_pair
 
     # presets (builtin, smollm2) are built or fetched here on first use, before SGLang starts
@@ -90,10 +132,8 @@ def sglang_args(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
                           num_draft_tokens=args.k_max + 1)
     extra = list(passthrough) + (["--disable-overlap-schedule"] if spec else [])
     env = dict(os.environ)
-    if args.tpot_slo is not None:
-        env[settings.ENV_TPOT_SLO] = repr(args.tpot_slo)
-    if spec is not None:
-        env[settings.ENV_POLICY] = args.spec_policy
+    if spec is not None:  # one serialised value for SGLang's processes
+        env[settings.ENV_CONFIG] = worker.to_json()
     python = sys.executable
     if cuda_available():
         cmd = [python, "-m", "sglang.launch_server", "--model-path", target,

@@ -157,8 +157,9 @@ def main(argv: Sequence[str]) -> int:
     dtype = rest[rest.index("--dtype") + 1]
     with tempfile.TemporaryDirectory() as tmp:
         timings = Path(tmp) / "timings.jsonl"
-        env[settings.ENV_SWEEP] = ",".join(str(k) for k in range(k_max + 1))
-        env[settings.ENV_TIMINGS] = str(timings)
+        cmd, env = sglang_args(rest + [
+            "--spec-sweep", ",".join(str(k) for k in range(k_max + 1)),
+            "--spec-timings", str(timings)])
         print(f"profiling SGLang's forwards of {target} / {draft} (draft lengths 0..{k_max},"
               f" concurrency {levels}); this takes 3-10 minutes", flush=True)
         log = open(Path(tmp) / "server.log", "wb")  # noqa: SIM115

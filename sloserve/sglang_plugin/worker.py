@@ -31,19 +31,26 @@ import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
-from sglang.srt.layers.attention.intel_amx_backend import IntelAMXAttnBackend
-from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
-from sglang.srt.speculative import eagle_worker_common
-from sglang.srt.speculative.adaptive_runtime_state import AdaptiveController
-from sglang.srt.speculative.ragged_verify import RaggedVerifyLayout
-from sglang.srt.speculative.standalone_worker_v2 import StandaloneWorkerV2
 
 from sloserve.sglang_plugin import settings
 from sloserve.sglang_plugin.chain_sampling import processed_probs, verify_chains
-from sloserve.sglang_plugin.controller import SGLangStepsPolicy, StepController
+from sloserve.sglang_plugin.controller import SGLangStep, SGLangStepsPolicy, StepController
 from sloserve.sglang_plugin.draft_chain import AlignedDraft, sampled_batch
+from sloserve.sglang_plugin.sglang_internals import (
+    AdaptiveController,
+    RaggedVerifyLayout,
+    SchedulerOutputStreamer,
+    StandaloneWorkerV2,
+    activate_rounds,
+    install_ragged_extend_metadata,
+    install_result_hook,
+    swapped_eagle_sample,
+    swapped_target_forward,
+)
 from sloserve.sglang_plugin.spec_metrics import SpecCounters
+from sloserve.slo import stated_slo, valid_slo
 
 logger = logging.getLogger(__name__)
 
@@ -51,66 +58,57 @@ logger = logging.getLogger(__name__)
 ACTIVE: list[StepController] = []
 
 
-def _timed(fn: Callable, record: Callable[[float], None], device: torch.device) -> Callable:
-    """fn, reporting its wall seconds (the device synchronised first and after on CUDA)."""
+def _step_of(batch: Any) -> SGLangStep | None:
+    """The speculation step a decode batch carries (set by forward_batch_generation)."""
+    return getattr(batch, "sloserve_step", None)
+
+
+def _timed(fn: Callable, record: Callable[[SGLangStep, float], None],
+           device: torch.device) -> Callable:
+    """fn(batch, ...), reporting its wall seconds to the batch's step (the device
+    synchronised first and after on CUDA)."""
     cuda = device.type == "cuda"
 
     @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
+    def run(batch: Any, *args: Any, **kwargs: Any) -> Any:
         if cuda:
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         try:
-            return fn(*args, **kwargs)
+            return fn(batch, *args, **kwargs)
         finally:
             if cuda:
                 torch.cuda.synchronize(device)
-            record(time.perf_counter() - t0)
+            step = _step_of(batch)
+            if step is not None:
+                record(step, time.perf_counter() - t0)
 
     return run
 
 
-def _ragged_extend_metadata(original: Callable) -> Callable:
-    """IntelAMXAttnBackend._build_extend_metadata that reads a TARGET_VERIFY batch's extend
-    lengths from its spec input's RaggedVerifyLayout when it has one (SGLang's CPU backend
-    assumes draft_token_num tokens per request)."""
-
-    @functools.wraps(original)
-    def build(self: Any, forward_batch: Any) -> Any:
-        spec = forward_batch.spec_info
-        layout = getattr(spec, "ragged_verify_layout", None)
-        if layout is None or not forward_batch.forward_mode.is_target_verify():
-            return original(self, forward_batch)
-        lens = layout.verify_lens.to(torch.int32)
-        tree_mask = None  # topk-1 chains: the kernel's causal mask
-        return (forward_batch.seq_lens + lens, lens, layout.extend_start_loc.to(torch.int32),
-                tree_mask)
-
-    build.sloserve_ragged = True  # type: ignore[attr-defined]
-    return build
+install_ragged_extend_metadata()
+install_result_hook()
 
 
-if not getattr(IntelAMXAttnBackend._build_extend_metadata, "sloserve_ragged", False):
-    IntelAMXAttnBackend._build_extend_metadata = _ragged_extend_metadata(  # type: ignore[method-assign]
-        IntelAMXAttnBackend._build_extend_metadata)
-
-
-class SpecServeWorker(StandaloneWorkerV2):
+class SpecServeWorker(StandaloneWorkerV2):  # type: ignore[misc]  # SGLang is untyped
     def __init__(self, server_args, gpu_id, nccl_port, target_worker) -> None:
         super().__init__(server_args, gpu_id, nccl_port, target_worker)
         target_path = target_worker.model_runner.model_config.model_path
         draft_path = self._draft_worker.draft_runner.model_config.model_path
         dtype = str(target_worker.model_runner.model_config.dtype).removeprefix("torch.")
+        cfg = settings.worker_config()
         self.controller = settings.make_controller(
-            target_path, draft_path, self.speculative_num_steps, str(self.device), dtype)
+            cfg, target_path, draft_path, self.speculative_num_steps, str(self.device), dtype)
         ACTIVE[:] = [self.controller]
         if getattr(server_args, "enable_metrics", False):  # SGLang's /metrics shows them
             self.controller.on_outcome = SpecCounters(self.speculative_num_steps).record
         # init_cuda_graphs (EAGLEWorkerV2) builds one runtime state per candidate step count
-        self.adaptive_controller = AdaptiveController(self, SGLangStepsPolicy(self.controller))
+        self.adaptive_controller = AdaptiveController(
+            self, SGLangStepsPolicy(self.speculative_num_steps,
+                                    lambda: self.speculative_num_steps))
         ctl, dev = self.controller, torch.device(self.device)
         dw = self._draft_worker
-        self.per_request = settings.per_request_lengths()
+        self.per_request = ctl.per_request
         # the draft's KV aligned with the sequence (draft_chain.py), then timed
         # profiling (timings logged) also records each chain's confidences: the profiler
         # fits the pair's calibration from them
@@ -120,51 +118,67 @@ class SpecServeWorker(StandaloneWorkerV2):
                                     on_round=self._after_round if self.per_request else None,
                                     on_stop=self._rounds_done)
         self.aligned.install()
-        self.test_accept_all = settings.test_accept_all()
-        dw.draft = _timed(dw.draft, lambda s: ctl.add_times(draft=s), dev)
+        self.test_accept_all = cfg.test_accept_all
+        dw.draft = _timed(dw.draft, lambda st, t: st.add_times(draft=t), dev)
         dw._draft_extend_for_decode = _timed(dw._draft_extend_for_decode,
-                                             lambda s: ctl.add_times(extend=s), dev)
-        self.verify = _timed(self.verify, lambda s: ctl.add_times(verify=s), dev)
-        logger.info("SPECSERVE: sloserve %s, draft steps 0..%d, default TPOT SLO %s",
-                    ctl.policy.name, ctl.k_max, ctl.default_tpot_slo)
+                                             lambda st, t: st.add_times(extend=t), dev)
+        self.verify = _timed(  # type: ignore[method-assign]  # an instance's timed verify
+            self.verify, lambda st, t: st.add_times(verify=t), dev)
+        logger.info("SPECSERVE: sloserve %s, draft steps 0..%d, default TPOT SLO %s, %s steps",
+                    ctl.policy.name, ctl.k_max, ctl.default_tpot_slo,
+                    "per-request" if self.per_request else "uniform")
 
     def forward_batch_generation(self, batch, *args: Any, **kwargs: Any):
+        step = None
         if not (batch.forward_mode.is_extend() or batch.is_extend_in_batch
                 or batch.forward_mode.is_idle()):
             reqs = batch.reqs
             seq_lens = (batch.seq_lens_cpu if getattr(batch, "seq_lens_cpu", None) is not None
                         else batch.seq_lens).tolist()
-            slos = [settings.request_tpot_slo(r.sampling_params) for r in reqs]
-            if self.per_request:
-                self.controller.begin([r.rid for r in reqs], seq_lens, slos)
-            else:
-                self.controller.decide([r.rid for r in reqs], seq_lens, slos)
-        return super().forward_batch_generation(batch, *args, **kwargs)
+            slos = [valid_slo(stated_slo(r.sampling_params, "tpot_slo")) for r in reqs]
+            step = self.controller.begin([r.rid for r in reqs], seq_lens, slos)
+            # the runtime state of the rounds SGLang prepares; SGLang's own switch by batch
+            # size (activate_step_by_batch) then keeps it (SGLangStepsPolicy)
+            assert self.adaptive_controller is not None
+            activate_rounds(self.adaptive_controller, step.prepared)
+        batch.sloserve_step = step  # the step travels with SGLang's batch ...
+        result = super().forward_batch_generation(batch, *args, **kwargs)
+        result.sloserve_step = step  # ... and with its result, to sloserve_verified
+        return result
 
-    # ----- per-request steps
-    def _after_round(self, conf: torch.Tensor) -> bool:
-        return self.controller.after_round(conf.tolist())
+    def sloserve_verified(self, result: Any) -> None:
+        """SGLang resolved a result's accepted drafts (sglang_internals.install_result_hook):
+        the step's session ends and the policy learns from it."""
+        step = getattr(result, "sloserve_step", None)
+        counts = getattr(result, "num_correct_drafts_per_req_cpu", None)
+        if step is not None and counts is not None:
+            self.controller.finish(step, counts)
 
-    def _chain_drafted(self, tokens: torch.Tensor, conf: torch.Tensor) -> None:
-        self.controller.record_chain(conf.float().cpu().numpy())
+    # ----- per-request steps (the session on the batch decides after each round)
+    def _after_round(self, batch: Any, conf: torch.Tensor) -> bool:
+        step = _step_of(batch)
+        assert step is not None
+        return self.controller.after_round(step, conf.float().cpu().numpy())
+
+    def _chain_drafted(self, batch: Any, tokens: torch.Tensor, conf: torch.Tensor) -> None:
+        step = _step_of(batch)
+        if step is not None:  # profiling: the chain's confidences for the timings row
+            step.chain_conf = conf.float().cpu().numpy()
 
     def _rounds_done(self, rounds: int) -> None:
         assert self.adaptive_controller is not None
-        self.adaptive_controller._activate(rounds)
+        activate_rounds(self.adaptive_controller, rounds)
 
     def verify(self, batch, *args: Any, **kwargs: Any):
         if batch.forward_mode.is_idle() or not sampled_batch(batch):
             return self._verify_lengths(batch, *args, **kwargs)
         # SGLang's verify commits the argmax on CPUs: SPECSERVE samples (chain_sampling.py,
         # in both modes: AlignedDraft keeps each proposal's distribution q)
-        original = eagle_worker_common.eagle_sample
-        eagle_worker_common.eagle_sample = self._sample  # type: ignore[attr-defined]
-        try:
+        with swapped_eagle_sample(functools.partial(self._sample, _step_of(batch))):
             return self._verify_lengths(batch, *args, **kwargs)
-        finally:
-            eagle_worker_common.eagle_sample = original  # type: ignore[attr-defined]
 
-    def _sample(self, verify_input: Any, batch: Any, logits_output: Any, *args: Any,
+    def _sample(self, step: SGLangStep | None, verify_input: Any, batch: Any,
+                logits_output: Any, *args: Any,
                 **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """eagle_sample's contract (predict [bs * n], accept_lens [bs] with the bonus,
         accept_index [bs, depth] flat rows, -1 padded) from chain_sampling's rule."""
@@ -178,9 +192,9 @@ class SpecServeWorker(StandaloneWorkerV2):
         q = self.aligned.last_q
         if n == 1 or q is None:
             q = logits.new_zeros((bs, 0, V))
-        d = self.controller.pending
-        k = (d.verified.tolist() if d is not None and d.verified is not None
-             and len(d.verified) == bs else [n - 1] * bs)
+        verified = step.session.verified if step is not None else None
+        k = (verified.tolist() if verified is not None and len(verified) == bs
+             else [n - 1] * bs)
         accepted, final = verify_chains(p.reshape(bs, n, V), cand[:, 1:], q.float(), k,
                                         accept_all=self.test_accept_all)
         dev = logits.device
@@ -196,18 +210,18 @@ class SpecServeWorker(StandaloneWorkerV2):
         return predict, accept_lens, accept_index
 
     def _verify_lengths(self, batch, *args: Any, **kwargs: Any):
-        d = self.controller.pending
+        step = _step_of(batch)
         vi = batch.spec_info
-        if not self.per_request or d is None or d.drafted is None \
-                or batch.forward_mode.is_idle() or len(d.rids) != len(batch.reqs):
+        if step is None or batch.forward_mode.is_idle() \
+                or step.session.step.batch_size != len(batch.reqs):
             return super().verify(batch, *args, **kwargs)
-        k = self.controller.verify_lengths()  # [B] k_r <= s_r
+        k = self.controller.verify_lengths(step)  # [B] k_r <= s_r
         n = int(vi.draft_token_num)  # s + 1
-        if n <= 1 or int(k.min()) >= n - 1:
+        if not step.per_request or n <= 1 or int(k.min()) >= n - 1:
             return super().verify(batch, *args, **kwargs)  # everything drafted is verified
         return self._ragged_verify(batch, k, n, *args, **kwargs)
 
-    def _ragged_verify(self, batch, k, n: int, *args: Any, **kwargs: Any):
+    def _ragged_verify(self, batch, k: np.ndarray, n: int, *args: Any, **kwargs: Any):
         vi = batch.spec_info
         bs = len(k)
         dev = torch.device(self.device)
@@ -240,24 +254,18 @@ class SpecServeWorker(StandaloneWorkerV2):
             return out
 
         vi.ragged_verify_layout = layout
-        tw.forward_batch_generation = ragged_forward
         try:
-            return super().verify(batch, *args, **kwargs)
+            with swapped_target_forward(tw, ragged_forward):
+                return super().verify(batch, *args, **kwargs)
         finally:
-            del tw.forward_batch_generation
             vi.ragged_verify_layout = None
-
-    def on_verify_complete_cpu(self, num_correct_drafts_per_req: list[int],
-                               batch_size: int = 0) -> None:
-        self.controller.feedback(num_correct_drafts_per_req)
-        super().on_verify_complete_cpu(num_correct_drafts_per_req, batch_size)
 
     def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
         super().note_request_finished(rid=rid, natural_stop=natural_stop)
         self.controller.release_policy(rid)
 
 
-class SpecServeOutputStreamer(SchedulerOutputStreamer):
+class SpecServeOutputStreamer(SchedulerOutputStreamer):  # type: ignore[misc]
     """Adds `sloserve_draft_steps` to each request's meta_info: the draft steps of every
     decode step since its last output (SGLang accumulates them into the full list)."""
 

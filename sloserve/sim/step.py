@@ -18,18 +18,14 @@ requests are queued in `finished` for the event loop.
 
 from __future__ import annotations
 
-import math
-import time
 from typing import Protocol
-
-import numpy as np
 
 from sloserve.estimator.cost_model import CostModel
 from sloserve.runtime.config import EngineConfig
 from sloserve.runtime.kv_cache import BlockAllocator
 from sloserve.runtime.request import FinishReason, Request, Status
 from sloserve.runtime.scheduler import Scheduler
-from sloserve.runtime.spec.rounds import DraftResult, choose_verify_lengths, draft_rounds, step_info
+from sloserve.runtime.spec.rounds import DraftResult, draft_rounds, step_info
 from sloserve.runtime.stats import EngineStats
 from sloserve.runtime.step_books import (
     Prefills,
@@ -41,7 +37,8 @@ from sloserve.runtime.step_books import (
     take_draft_prefill,
 )
 from sloserve.sim.drafter import DUMMY_TOKEN, SimDrafter
-from sloserve.speculation import SpecPlan, SpecPolicy, VerifyOutcome
+from sloserve.slo import effective_slo
+from sloserve.speculation import SpecPolicy, SpecSession
 
 
 class Stream(Protocol):
@@ -108,10 +105,9 @@ class SimStepRunner:
         prefills, decodes = sched.prefills, sched.decodes
         n_q, n_ctx = prefill_load(prefills)
         draft_prefill = self._draft_reads_prefill(prefills) if self.speculative else 0.0
-        plan: SpecPlan | None = None
         draft: DraftResult | None = None
         if decodes and self.speculative:
-            plan, draft = self._speculate(decodes, n_q, n_ctx)
+            draft = self._speculate(decodes, n_q, n_ctx)
         ks = draft.k.tolist() if draft is not None else [0] * len(decodes)
         # target segments: start = kv_len, q = 1 + k; N_ctx counts start + q
         k_sum = sum(ks)
@@ -132,35 +128,27 @@ class SimStepRunner:
                     a = runs[r.rid][len(r.output_ids)]
                     accepted[i] = k if a > k else a
         self._commit_decodes(decodes, accepted, end)
-        slo = self.cfg.tpot_slo or math.inf
+        slo = effective_slo(None, self.cfg.tpot_slo)
         if self._own_slo:  # some live request has its own TPOT SLO
             slo = binding_tpot(decodes, self.cfg.tpot_slo)
         account_step(self.stats, decodes, draft, accepted, dt, len(prefills), slo, end)
-        if plan is not None and draft is not None:
-            self.policy.observe(plan, VerifyOutcome(
-                drafted=draft.drafted.copy(), verified=draft.k.copy(),
-                accepted=np.array(accepted, dtype=np.int64), confidences=draft.confidences,
-                step_time=dt, draft_time=draft_time, verify_time=verify_time,
-            ))
+        if draft is not None:
+            draft.session.finish(accepted, dt, draft_time, verify_time)
         return dt
 
     def _speculate(self, decodes: list[Request], prefill_tokens: int,
-                   prefill_context: int) -> tuple[SpecPlan, DraftResult]:
-        """Plan, draft rounds (priced by the SimDrafter) and verify lengths."""
+                   prefill_context: int) -> DraftResult:
+        """Session (the plan), draft rounds (priced by the SimDrafter), verify lengths."""
         assert self.drafter is not None
         info = step_info(decodes, self.cfg.k_max, self.cfg.tpot_slo, prefill_tokens,
                          prefill_context)
         self.drafter.time = 0.0
-        t = time.perf_counter()
-        plan = self.policy.plan(info)
-        planning = time.perf_counter() - t
-        draft = draft_rounds(self.drafter, plan, decodes, self.cfg.k_max)
-        choose_verify_lengths(plan, draft)
+        draft = draft_rounds(self.drafter, SpecSession(self.policy, info), decodes)
         # host seconds in the policy (the drafter's forwards cost no host time here)
-        self.stats.policy_time_total += planning + draft.policy_time
+        self.stats.policy_time_total += draft.policy_time
         if self.drafter.kind == "model":
             self.stats.draft_forwards += draft.forwards
-        return plan, draft
+        return draft
 
     def _draft_reads_prefill(self, prefills: Prefills) -> float:
         """Seconds of the draft model reading this step's prefill chunks (the engine's

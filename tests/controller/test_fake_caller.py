@@ -107,7 +107,7 @@ def test_every_policy_serves_the_fake_caller():
 
 class StepLevelWorker(FakeWorker):
     """A caller that fixes one draft length for the batch before drafting and never learns
-    the draft tokens' confidences (SGLang's speculative workers): uniform_rounds, then
+    the draft tokens' confidences (SGLang's speculative workers): batch_rounds, then
     observe with [B, 0] confidences."""
 
     def step(self) -> VerifyOutcome:
@@ -117,7 +117,7 @@ class StepLevelWorker(FakeWorker):
                         np.array([self.slo[r] for r in rids]), self.k_max,
                         draft_lag=np.ones(B, dtype=np.int64))
         plan = self.policy.plan(step)
-        k = plan.uniform_rounds()
+        k = plan.batch_rounds()
         quality = np.array([self.quality[r] for r in rids])
         drafted = np.full(B, k, dtype=np.int64)
         ok = self.rng.random((B, max(k, 1))) < quality[:, None]
@@ -152,12 +152,12 @@ def test_a_step_level_caller_gets_one_draft_length_that_follows_load_and_accepta
     assert w.policy.history.values[w.policy.history.slots(["a"], fill=0.0)][0] > 0.8
 
 
-def test_uniform_rounds_respects_the_slo():
+def test_batch_rounds_respects_the_slo():
     policy = make_policy("specserve", COST, k_max=6)
     step = StepInfo(["a"], np.array([300]), np.array([np.inf]), 6)
     timer = StepTimer(COST, step)
-    assert policy.plan(step).uniform_rounds() > 0
+    assert policy.plan(step).batch_rounds() > 0
     # an SLO between plain decoding and k = 1 (guard at 2x until measured: halve it)
     tight = 2.0 * (timer.plain + 0.5 * (timer.uniform(1)[1] - timer.plain))
     step = StepInfo(["a"], np.array([300]), np.array([tight]), 6)
-    assert policy.plan(step).uniform_rounds() == 0
+    assert policy.plan(step).batch_rounds() == 0

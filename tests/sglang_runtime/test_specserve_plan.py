@@ -1,6 +1,6 @@
 """SPECSERVE's own decisions inside SGLang 0.5.23's server on this CPU (issue 17, the
 per-request outputs): no forced lengths, the controller plans every step from the draft's
-real confidences (SLOSERVE_SGLANG_LENGTHS=per-request).
+real confidences (--spec-lengths per-request).
 
 One SPECSERVE server on the built-in pair (where a verified token costs enough for per-request
 lengths to pay; with the tiny pair's nearly free tokens the plan stays uniform) with its
@@ -8,7 +8,7 @@ committed profile of SGLang's forwards, the policy option uniform_margin=0 (by d
 strict subset drafts or a tail is trimmed only if that raises E by 6%: measured on this
 CPU, 4 in 34 steps of 12 requests were ragged with it and none trimmed, 35 in 35 and 23
 without it), `--enable-metrics`
-and a step log (SLOSERVE_SGLANG_STEP_LOG: per step the rids, drafted / verified / accepted
+and a step log (--spec-step-log: per step the rids, drafted / verified / accepted
 counts, the draft confidences, the plan's chain probabilities P and the calibration map g).
 The tests read the log against what they can compute themselves:
 
@@ -76,13 +76,13 @@ def planned(sglang_python, builtin_pair, tmp_path_factory):
     server = LaunchedServer(
         sglang_python,
         ["--model-path", target, "--draft-model-path", draft, "--k-max", str(K_MAX),
-         "--enable-metrics"],
-        logs / "server.log",
-        {"SLOSERVE_PROFILE": str(builtin_sglang_profile(target, draft)),
-         "SLOSERVE_SGLANG_STEP_LOG": str(step_log), "SLOSERVE_SGLANG_LENGTHS": "per-request",
+         "--enable-metrics", "--spec-policy", "specserve",
+         "--spec-profile", str(builtin_sglang_profile(target, draft)),
+         "--spec-step-log", str(step_log), "--spec-lengths", "per-request",
          # the plan's per-request choices as they are, without the uniform-first margin
          # (with it, ragged steps are rare here: see the module docstring)
-         "SLOSERVE_SPEC_OPTIONS": "uniform_margin=0"})
+         "--spec-options", "uniform_margin=0"],
+        logs / "server.log", {})
     try:
         server.wait()
         outs: list[tuple[list[int], dict]] = []

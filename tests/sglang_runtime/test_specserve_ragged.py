@@ -5,10 +5,10 @@ calibration map.
 
 Servers (one set per module, started as a user does, `python -m sloserve.launch --engine
 sglang`): SGLang without speculation (the reference), SPECSERVE with the TEST-ONLY setting
-SLOSERVE_SGLANG_TEST_VERIFY_LENS (every request drafts k_max = 4 and batch row i verifies
+--spec-test-verify-lens (every request drafts k_max = 4 and batch row i verifies
 FORCED[(i + n) % 6] drafts in the n-th step: 0 and 4 in one batch), and SPECSERVE as it runs (its own
 plan). Both SPECSERVE servers write their per-step decisions to a step log
-(SLOSERVE_SGLANG_STEP_LOG) that the tests read."""
+(--spec-step-log) that the tests read."""
 
 from __future__ import annotations
 
@@ -34,14 +34,13 @@ def ragged(sglang_python, tiny_sglang_pair, tmp_path_factory):
     target, draft = tiny_sglang_pair
     logs = tmp_path_factory.mktemp("ragged_logs")
     pair = ["--model-path", target, "--draft-model-path", draft]
-    spec_env = {"SLOSERVE_PROFILE": str(TINY_PROFILE), "SLOSERVE_SGLANG_LENGTHS": "per-request"}
+    spec = pair + ["--k-max", "4", "--spec-policy", "specserve", "--spec-profile",
+                   str(TINY_PROFILE), "--spec-lengths", "per-request"]
     specs = {
         "plain": (pair + ["--spec-policy", "ar"], {}),
-        "forced": (pair + ["--k-max", "4"], {
-            **spec_env, "SLOSERVE_SGLANG_TEST_VERIFY_LENS": ",".join(map(str, FORCED)),
-            "SLOSERVE_SGLANG_STEP_LOG": str(logs / "forced.jsonl")}),
-        "natural": (pair + ["--k-max", "4"], {
-            **spec_env, "SLOSERVE_SGLANG_STEP_LOG": str(logs / "natural.jsonl")}),
+        "forced": (spec + ["--spec-test-verify-lens", ",".join(map(str, FORCED)),
+                           "--spec-step-log", str(logs / "forced.jsonl")], {}),
+        "natural": (spec + ["--spec-step-log", str(logs / "natural.jsonl")], {}),
     }
     started: dict[str, LaunchedServer] = {}
     for name in ("plain", "forced"):

@@ -7,7 +7,7 @@ position has at most six outcomes. Both SPECSERVE servers run the TEST-ONLY forc
 every batch), so the rule is exercised on every step; the natural plan speculates little on
 this pair at temperature 1. The default uniform mode (one k per batch) samples by the same
 rule; its server cycles k through 0..4 (the profiler's sweep). The same test fails for a deliberately wrong rule (every
-draft accepted: SLOSERVE_SGLANG_TEST_ACCEPT_ALL, test only), so it has the power to see a
+draft accepted: --spec-test-accept-all, test only), so it has the power to see a
 broken rule. SGLang's own EAGLE verify would not pass: it commits the argmax on CPUs."""
 
 from __future__ import annotations
@@ -33,16 +33,15 @@ def sampling_servers(sglang_python, tiny_sglang_pair, tmp_path_factory):
     target, draft = tiny_sglang_pair
     logs = tmp_path_factory.mktemp("sampling_logs")
     pair = ["--model-path", target, "--draft-model-path", draft]
-    env = {"SLOSERVE_PROFILE": str(TINY_PROFILE), "SLOSERVE_SGLANG_TEST_VERIFY_LENS": "0,4,1,3,2,4",
-           "SLOSERVE_SGLANG_LENGTHS": "per-request"}
+    base = pair + ["--k-max", "4", "--spec-policy", "specserve", "--spec-profile",
+                   str(TINY_PROFILE)]
+    forced = base + ["--spec-test-verify-lens", "0,4,1,3,2,4", "--spec-lengths", "per-request"]
     specs = {
         "plain": (pair + ["--spec-policy", "ar"], {}),
-        "specserve": (pair + ["--k-max", "4"], env),
-        "wrong": (pair + ["--k-max", "4"], {**env, "SLOSERVE_SGLANG_TEST_ACCEPT_ALL": "1"}),
+        "specserve": (forced, {}),
+        "wrong": (forced + ["--spec-test-accept-all"], {}),
         # the default mode (one k per batch), its k forced in rotation by the profiler's sweep
-        "uniform": (pair + ["--k-max", "4"], {"SLOSERVE_PROFILE": str(TINY_PROFILE),
-                                              "SLOSERVE_SGLANG_LENGTHS": "uniform",
-                                              "SLOSERVE_SGLANG_SWEEP": "0,4,1,3,2,4"}),
+        "uniform": (base + ["--spec-lengths", "uniform", "--spec-sweep", "0,4,1,3,2,4"], {}),
     }
     started: dict[str, LaunchedServer] = {}
     samples: dict[str, Counter] = {}

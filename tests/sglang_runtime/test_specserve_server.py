@@ -76,9 +76,17 @@ def launched(sglang_python, tiny_sglang_pair, tmp_path_factory):
     pair = ["--model-path", target, "--draft-model-path", draft]
     specs = {
         "plain": (pair + ["--spec-policy", "ar"], {}),
-        "specserve": (pair + ["--k-max", "4"], {"SLOSERVE_PROFILE": str(TINY_PROFILE)}),
-        "self": (["--model-path", target, "--draft-model-path", target, "--k-max", "4"],
-                 {"SLOSERVE_PROFILE": str(TINY_PROFILE)}),
+        "specserve": (pair + ["--k-max", "4", "--spec-policy", "specserve",
+                              "--spec-profile", str(TINY_PROFILE)], {}),
+        "self": (["--model-path", target, "--draft-model-path", target, "--k-max", "4",
+                  "--spec-policy", "specserve", "--spec-profile", str(TINY_PROFILE)], {}),
+        # other policies of the registry through the same session (issue #29)
+        "fixed3": (pair + ["--k-max", "4", "--spec-policy", "fixed:3",
+                           "--spec-profile", str(TINY_PROFILE)], {}),
+        "lut": (pair + ["--k-max", "4", "--spec-policy", "lut",
+                        "--spec-profile", str(TINY_PROFILE)], {}),
+        "slo": (pair + ["--k-max", "4", "--spec-policy", "specserve-slo", "--tpot-slo", "2s",
+                        "--spec-profile", str(TINY_PROFILE)], {}),
         # no model options: the built-in pair, as `sloserve.launch --engine sglang` serves it
         "builtin": (["--tpot-slo", "30ms"], {}),
     }
@@ -141,6 +149,23 @@ def test_greedy_output_equals_plain_decoding(launched):
     batch = _prompts(12, seed=22) + alone[:4]  # 4 repeats hit SGLang's radix cache
     assert [g["output_ids"] for g in _all_at_once(spec, batch)] == \
         [g["output_ids"] for g in _all_at_once(plain, batch)]
+
+
+@pytest.mark.parametrize("name", ["fixed3", "lut", "slo"])
+def test_registry_policies_serve_greedy_output_equal_to_plain(launched, name):
+    """--spec-policy fixed:3, lut and specserve-slo (any policy of the registry runs in the
+    worker's session, issue #29): greedy output equals SGLang's plain decoding, alone and
+    batched, with a per-request SLO (custom_params.tpot_slo)."""
+    prompts = _prompts(6, seed=61)
+    want = [_gen(launched("plain"), p)["output_ids"] for p in prompts]
+    spec = launched(name, alone=True)  # memory: the others stop (plain restarts on use)
+    got = [_gen(spec, p, custom_params={"tpot_slo": 5.0}) for p in prompts]
+    assert [g["output_ids"] for g in got] == want
+    steps = [k for g in got for k in g["meta_info"]["sloserve_draft_steps"]]
+    assert max(steps) > 0, steps
+    if name == "fixed3":
+        assert set(steps) == {3}, steps
+    assert [g["output_ids"] for g in _all_at_once(spec, prompts)] == want
 
 
 def test_draft_steps_fall_as_concurrency_rises(launched):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 # Fixed rules (not settings): a request whose chain probability falls below COLLAPSE (at most
 # 1 in 20 chances the next token is even reached) leaves the draft batch; the prior of new
@@ -46,3 +49,25 @@ class SpecServeOptions:
             raise ValueError(f"prior must be in [0, 1], got {self.prior}")
         if self.overrun_window < 1 or self.initial_overrun < 1.0:
             raise ValueError("overrun_window must be >= 1 and initial_overrun >= 1")
+
+
+def parse_options(pairs: Sequence[tuple[str, str]]) -> SpecServeOptions:
+    """SpecServeOptions from (name, value) text pairs: values typed like the fields'
+    defaults, `none` where a field may be None; ValueError naming the field otherwise."""
+    fields = {f.name: f for f in dataclasses.fields(SpecServeOptions)}
+    out: dict[str, Any] = {}
+    for name, value in pairs:
+        if name not in fields:
+            raise ValueError(f"unknown policy option {name!r}; valid: {', '.join(fields)}")
+        default: Any = fields[name].default  # every option has a default
+        v = value.strip().lower()
+        try:
+            if v == "none" and "None" in str(fields[name].type):
+                out[name] = None
+            elif isinstance(default, bool):
+                out[name] = {"true": True, "1": True, "false": False, "0": False}[v]
+            else:
+                out[name] = type(default)(value)  # int or float
+        except (KeyError, ValueError):
+            raise ValueError(f"bad value for policy option {name}: {value!r}") from None
+    return SpecServeOptions(**out)  # its own range checks

@@ -140,7 +140,7 @@ class SpecServePlan(SpecPlan):
                               opts.uniform_margin)
 
     # ----- callers that fix one draft length for the whole batch before drafting
-    def uniform_rounds(self) -> int:
+    def batch_rounds(self) -> int:
         """The k in 0..k_max maximising E(k) = (B + sum_r sum_{j<=k} pred_r^j) / T(k), every
         request drafting and verifying k tokens (T: StepTimer.uniform; E without the step's
         prefill seconds unless score_prefill), within the guarded SLO: the plan's own rule

@@ -50,7 +50,8 @@ class SloSpecServePolicy(SpecServePolicy):
         self.clock.track(step.request_ids)
         if step.batch_size == 0:
             return super().plan(step)
-        return super().plan(replace(step, tpot_slo=self.budgets(step)))
+        # the allowance is a step time, not an SLO: it travels as step_allowance
+        return super().plan(replace(step, step_allowance=self.budgets(step)))
 
     def observe(self, plan: SpecPlan, outcome: VerifyOutcome) -> None:
         super().observe(plan, outcome)

@@ -1,13 +1,13 @@
-"""Draft rounds steered by a plan (sloserve.speculation), then its verify lengths.
+"""The pull loop over a speculation session (sloserve.speculation.SpecSession): draft rounds
+steered by the session, then its verify lengths.
 
 Shared by the engine (runtime/step.py, draft model or n-gram lookup) and the simulator
 (sim/step.py, a stand-in source): the same calls in the same order, so a policy cannot tell
-them apart.
+them apart (SGLang's worker pushes the same calls from its own draft loop).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from sloserve.runtime.request import Request
-from sloserve.speculation import SpecPlan, StepInfo
+from sloserve.slo import slo_array
+from sloserve.speculation import SpecSession, StepInfo
 
 
 @dataclass
@@ -49,33 +50,57 @@ class DraftSource(Protocol):
 
 @dataclass
 class DraftResult:
+    """What the drafting loop produced besides the session's decisions (the session holds
+    who drafted what, the confidences and the verify lengths)."""
+
+    session: SpecSession
     tokens: np.ndarray  # [B, k_max] int64 proposed tokens; row r valid up to drafted[r]
-    drafted: np.ndarray  # [B] int64 s_r: draft tokens proposed per request
-    confidences: np.ndarray  # [B, k_max] float, NaN beyond s_r
     # [B][s_r] processed draft distributions of sampling requests; None when no request sampled
-    q: list[list[torch.Tensor]] | None
-    k: np.ndarray  # [B] verify lengths chosen by the plan (zeros until choose_verify_lengths)
-    longest: int = 0  # max_r s_r
+    q: list[list[torch.Tensor]] | None = None
     draft_time: float = 0.0  # wall time of the drafting loop (forwards + plan calls)
-    policy_time: float = 0.0  # wall time inside the plan's extend / verify_lengths
     forwards: int = 0
     batch_sizes: list[int] = field(default_factory=list)  # requests per draft forward
 
+    @property
+    def drafted(self) -> np.ndarray:
+        """[B] int64 s_r: draft tokens proposed per request."""
+        return self.session.drafted
 
-def draft_rounds(source: DraftSource, plan: SpecPlan, reqs: list[Request],
-                 k_max: int, room: np.ndarray | None = None) -> DraftResult:
-    """Draft rounds for the decode batch as the plan steers them (extend after each).
+    @property
+    def confidences(self) -> np.ndarray:
+        """[B, k_max] float, NaN beyond s_r."""
+        return self.session.confidences
+
+    @property
+    def k(self) -> np.ndarray:
+        """[B] verify lengths chosen by the plan (zeros until the session chose them)."""
+        v = self.session.verified
+        return v if v is not None else np.zeros(self.session.step.batch_size, dtype=np.int64)
+
+    @property
+    def longest(self) -> int:
+        return self.session.longest
+
+    @property
+    def policy_time(self) -> float:
+        """Seconds inside the policy: plan, extend, verify_lengths (observe once finished)."""
+        return self.session.plan_time + self.session.policy_time
+
+
+def draft_rounds(source: DraftSource, session: SpecSession, reqs: list[Request],
+                 room: np.ndarray | None = None) -> DraftResult:
+    """The pull loop: draft rounds for the decode batch as the session steers them
+    (after_round after each), then its verify lengths (res.k).
     room: [B] most draft tokens each request may have (the context window's room: a draft
     verified at a position beyond the window has no position embedding); None: k_max."""
-    B = len(reqs)
+    B, k_max = len(reqs), session.k_max
     tokens = np.zeros((B, k_max), dtype=np.int64)
-    conf = np.full((B, k_max), np.nan)  # NaN exactly where nothing was drafted
-    res = DraftResult(tokens, np.zeros(B, dtype=np.int64), conf, None,
-                      np.zeros(B, dtype=np.int64))
+    res = DraftResult(session, tokens)
     t0 = time.perf_counter()
-    active = np.asarray(plan.drafting, dtype=bool).copy() if k_max > 0 else np.zeros(B, bool)
+    active = session.drafting.copy()
     if room is not None:
         active &= room > 0
+    conf = np.full(B, np.nan)
     j = 0
     # few numpy calls per round: this runs per draft round of every step, mostly at small
     # batch sizes where each call's fixed cost dominates (the simulator's hot path)
@@ -98,45 +123,26 @@ def draft_rounds(source: DraftSource, plan: SpecPlan, reqs: list[Request],
             keep[rnd.missing] = False
             rows = rows[keep]
             tokens[rows, j] = np.asarray(rnd.tokens)[keep]
-            conf[rows, j] = np.asarray(rnd.conf, dtype=np.float64)[keep]
+            conf[rows] = np.asarray(rnd.conf, dtype=np.float64)[keep]
         else:
             tokens[rows, j] = rnd.tokens
-            conf[rows, j] = rnd.conf
+            conf[rows] = rnd.conf
         j += 1
-        if not rnd.missing or np.count_nonzero(active):
-            tp = time.perf_counter()
-            active &= np.asarray(plan.extend(conf[:, :j], active), dtype=bool)
-            res.policy_time += time.perf_counter() - tp
+        active = session.after_round(conf, active).copy()
         if room is not None:
             active &= room > j
     res.draft_time = time.perf_counter() - t0
-    if j:
-        res.drafted = drafted = np.isfinite(conf[:, :j]).sum(axis=1)  # [B] s_r
-        # most draft tokens of any request: j, unless the last round proposed nothing
-        res.longest = int(drafted[drafted.argmax()])
+    session.verify_lengths()
     return res
-
-
-def choose_verify_lengths(plan: SpecPlan, res: DraftResult) -> None:
-    """Ask the plan how many of its drafted tokens each request verifies (res.k)."""
-    s = res.longest
-    if not s:
-        return
-    tp = time.perf_counter()
-    k = np.asarray(plan.verify_lengths(res.confidences[:, :s], res.drafted.copy()))
-    res.policy_time += time.perf_counter() - tp
-    # 0 <= k <= drafted whatever the plan returned
-    res.k = np.minimum(np.maximum(k.astype(np.int64), 0), res.drafted)
 
 
 def step_info(reqs: list[Request], k_max: int, default_slo: float | None,
               prefill_tokens: int, prefill_context: int) -> StepInfo:
     """The decode batch as a policy sees it."""
-    slo = [r.params.tpot_slo or default_slo or math.inf for r in reqs]
     return StepInfo(
         request_ids=[r.rid for r in reqs],
         context_lens=np.array([r.kv_len for r in reqs], dtype=np.int64),
-        tpot_slo=np.array(slo, dtype=np.float64),
+        tpot_slo=slo_array([r.params.tpot_slo for r in reqs], default_slo),
         k_max=k_max,
         prefill_tokens=prefill_tokens,
         prefill_context=prefill_context,
