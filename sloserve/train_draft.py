@@ -41,25 +41,16 @@ from pathlib import Path
 
 log = logging.getLogger("sloserve.train_draft")
 
-SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts" / \
-    "spec_bench_questions.jsonl"
-MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
-            "humanities"}
 
 
 # ---------------------------------------------------------------- prompts
 
-def spec_bench(path: Path = SPEC_BENCH) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def spec_bench():
+    """The Spec-Bench questions beside the checkout ([] where absent)."""
+    from sloserve.bench.common import SHARED_PROMPTS
+    from sloserve.replay.specbench import load_spec_bench
 
-
-def held_out(q: dict) -> bool:
-    """The evaluation split: half of each MT-Bench category (10 questions each), a quarter
-    of the 80-question categories."""
-    qid = int(q["question_id"])
-    return qid % 2 == 1 if q["category"] in MT_BENCH else qid % 4 == 0
+    return load_spec_bench(SHARED_PROMPTS) if SHARED_PROMPTS.is_file() else []
 
 
 def _stdlib_functions(rng: random.Random, n: int) -> list[str]:
@@ -136,9 +127,9 @@ def build_prompts(seed: int) -> list[dict]:
     rng = random.Random(seed)
     out: list[dict] = []
     for q in spec_bench():
-        if not held_out(q):
-            out.append({"id": f"sb-{q['question_id']}", "category": q["category"],
-                        "messages": [{"role": "user", "content": q["turns"][0]}]})
+        if not q.held_out:
+            out.append({"id": f"sb-{q.question_id}", "category": q.category,
+                        "messages": [{"role": "user", "content": q.turns[0]}]})
     for i, fn in enumerate(_stdlib_functions(rng, 700)):
         ask = rng.choice(["Explain what this Python function does.",
                           "Add type hints and a docstring to this Python function.",
@@ -170,9 +161,9 @@ def build_prompts(seed: int) -> list[dict]:
 
 
 def eval_prompts() -> list[dict]:
-    return [{"id": f"sb-{q['question_id']}", "category": q["category"],
-             "messages": [{"role": "user", "content": q["turns"][0]}]}
-            for q in spec_bench() if held_out(q)]
+    return [{"id": f"sb-{q.question_id}", "category": q.category,
+             "messages": [{"role": "user", "content": q.turns[0]}]}
+            for q in spec_bench() if q.held_out]
 
 
 # ---------------------------------------------------------------- job state

@@ -38,10 +38,26 @@ def ordinary_prompts(n: int) -> list[str]:
     return [FALLBACK_PROMPTS[i % len(FALLBACK_PROMPTS)] for i in range(n)]
 
 
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_info() -> dict:
+    from sloserve.runtime.cpu_tuning import cpu_flags, cpu_has_bf16_matmul
+
     return {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
+        "cpu_bf16_matmul": cpu_has_bf16_matmul(),
+        "cpu_features": sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16",
+                                               "amx_tile"}),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),

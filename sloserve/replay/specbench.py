@@ -37,6 +37,13 @@ class SpecBenchQuestion:
         """The Spec-Bench task: "mt_bench" for the MT-Bench categories, else the category."""
         return "mt_bench" if self.category in MT_BENCH_CATEGORIES else self.category
 
+    @property
+    def held_out(self) -> bool:
+        """In the evaluation split that draft distillation never trains on (train_draft):
+        half of each MT-Bench category (10 questions each), a quarter of the others (80)."""
+        qid = self.question_id
+        return qid % 2 == 1 if self.category in MT_BENCH_CATEGORIES else qid % 4 == 0
+
 
 def load_spec_bench(path: str | Path) -> list[SpecBenchQuestion]:
     """Load Spec-Bench questions; malformed lines raise `TraceFormatError`."""

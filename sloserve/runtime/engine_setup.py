@@ -15,7 +15,11 @@ from sloserve.runtime.cpu_kernels import cpu_ops
 from sloserve.runtime.kv_cache import BlockAllocator, KVStorage
 from sloserve.runtime.model_runner import ModelRunner
 from sloserve.runtime.models.config import ModelLoadError
-from sloserve.runtime.models.cpu_linear import pack_linears, packed_linear_available
+from sloserve.runtime.models.cpu_linear import (
+    block_bf16_linears,
+    pack_linears,
+    packed_linear_available,
+)
 from sloserve.runtime.models.loader import load_model
 from sloserve.runtime.models.presets import resolve_pair
 from sloserve.speculation import SpecPolicy
@@ -102,7 +106,11 @@ def build_parts(cfg: EngineConfig) -> EngineParts:
     if cfg.cpu_packed_linear and device == "cpu" and packed_linear_available():
         for m in (target_model, draft_model):
             if m is not None:
-                pack_linears(m)
+                pack_linears(m)  # float32 linears only
+    if device == "cpu":
+        for m in (target_model, draft_model):
+            if m is not None:
+                block_bf16_linears(m)  # bf16 linears only: row-invariant (cpu_linear.py)
     if device == "cpu":
         ops = cpu_ops()
         fused = [m.use_cpu_ops(ops) for m in (target_model, draft_model) if m is not None]

@@ -86,8 +86,31 @@ def test_cpu_backend_matches_reference(heads, kv_heads, head_dim, block_size):
         assert (got.double() - want).abs().max().item() < 2e-5, name
 
 
+def test_kernel_reads_a_bf16_cache_and_rows_do_not_depend_on_the_segment():
+    """bf16 queries and caches: the kernel widens them, matches the float64 reference on the
+    same (rounded) values, and a row of a 5-token verify segment gets exactly the bits the
+    same row gets as a 1-token decode segment (what makes bf16 speculation lossless)."""
+    if not HAS_COMPILER:
+        pytest.skip("no C++ compiler")
+    q, k_cache, v_cache, segments = _case(9, 3, 64, 16, LENS, seed=3)
+    q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
+    be = make_backend("cpu")
+    assert be._kernel_applies(q, k_cache)
+    batch = build_forward_batch(segments, 16)
+    got = be.forward(q, k_cache, v_cache, be.plan(batch), 0.125)
+    assert got.dtype == torch.bfloat16
+    want = _reference(q.float(), k_cache.float(), v_cache.float(), segments, 16, 0.125)
+    assert (got.double() - want).abs().max().item() < 2e-2  # bf16 output rounding
+    # segment 2 is (start 5, 4 tokens): its last row alone, as a decode at position 8
+    last = Segment(segments[2].block_ids, 8, [1], all_logits=True)
+    row = sum(s.q_len for s in segments[:2]) + 3
+    one = be.forward(q[row:row + 1], k_cache, v_cache,
+                     be.plan(build_forward_batch([last], 16)), 0.125)
+    assert torch.equal(one[0], got[row])
+
+
 def test_cpu_backend_falls_back_to_torch_path():
-    """Where the kernel does not apply (here: head_dim 8, or bfloat16) the torch path runs."""
+    """Where the kernel does not apply (here: head_dim 8) the torch path runs."""
     q, k_cache, v_cache, segments = _case(4, 2, 8, 4, LENS[:4], seed=1)
     batch = build_forward_batch(segments, 4)
     be = make_backend("cpu")
@@ -114,6 +137,8 @@ def test_kernel_rejects_bad_input():
         op(q.contiguous(), k_cache, v_cache, rows, lens, starts, table + 1000, 4, 0.25, out)
     with pytest.raises(RuntimeError, match="float32"):
         op(q.double().contiguous(), k_cache, v_cache, rows, lens, starts, table, 4, 0.25, out)
+    with pytest.raises(RuntimeError, match="of one dtype"):
+        op(q.contiguous(), k_cache, v_cache.bfloat16(), rows, lens, starts, table, 4, 0.25, out)
 
 
 @pytest.fixture

@@ -71,10 +71,16 @@ class CpuAttentionBackend(TorchAttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.small is not None:
             if self._kernel_applies(q, k_cache):
-                if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
-                    q = q.contiguous()
-                self.op(q, k_cache, v_cache, meta.k_rows, meta.k_q_lens, meta.k_starts,
-                        meta.k_block_table, meta.block_size, scale, out)
+                # the kernel computes in float32 (bf16 caches widened exactly on load); bf16
+                # queries are widened and the rows rounded back once, after the kernel
+                q32 = q.float() if q.dtype != torch.float32 else q
+                if q32.stride(2) != 1 or q32.stride(1) != q32.shape[2]:
+                    q32 = q32.contiguous()
+                o32 = out if out.dtype == torch.float32 else torch.empty(q.shape)
+                self.op(q32, k_cache, v_cache, meta.k_rows, meta.k_q_lens, meta.k_starts,
+                        meta.k_block_table, meta.block_size, scale, o32)
+                if o32 is not out:  # prefill rows, garbage here, are written below
+                    out.copy_(o32)
             else:
                 if not meta.padded_planned:
                     plan_small_padded(meta, meta.batch, meta.small)
@@ -84,9 +90,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return out
 
     def _kernel_applies(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        return (self.op is not None and q.device.type == "cpu" and q.dtype == torch.float32
-                and k_cache.dtype == torch.float32 and q.shape[2] % 16 == 0
-                and k_cache.is_contiguous())
+        return (self.op is not None and q.device.type == "cpu"
+                and q.dtype in (torch.float32, torch.bfloat16)
+                and k_cache.dtype in (torch.float32, torch.bfloat16)
+                and q.shape[2] % 16 == 0 and k_cache.is_contiguous())
 
 
 register_backend("cpu", CpuAttentionBackend)

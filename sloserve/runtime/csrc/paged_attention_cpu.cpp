@@ -1,4 +1,8 @@
-// Paged attention for short query segments (decode, verify, draft steps) on the CPU, fp32.
+// Paged attention for short query segments (decode, verify, draft steps) on the CPU: fp32
+// queries, scores and outputs over an fp32 or a bf16 KV cache (bf16 keys and values are widened
+// exactly on load). Each query row's result is computed the same way whatever the segment's
+// length or the batch: a verify row gets the bits a decode row would (bf16 greedy speculation
+// equals plain greedy because of it).
 //
 // Reads each segment's keys and values straight from the paged cache through its block table:
 // nothing is gathered or padded. One work unit is one (segment, KV head): its R = q_len * G
@@ -8,7 +12,8 @@
 //
 // Tensors (checked in paged_attention_small):
 //   q            [T, H, D]   any row stride, heads contiguous (stride D, 1)
-//   k/v_cache    [S, KVH, D] contiguous: this layer's slots, new tokens already written
+//   k/v_cache    [S, KVH, D] contiguous, float32 or bfloat16 (both alike): this layer's slots,
+//                            new tokens already written
 //   q_rows       [B] int64   first row of each segment in q and out
 //   q_lens       [B] int64   query tokens of each segment
 //   starts       [B] int64   position of each segment's first query token
@@ -21,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -29,11 +35,12 @@ namespace {
 
 using namespace sloserve_vec;
 
+template <class KT>  // the cache's element: float, or uint16_t holding bf16 bits
 struct Unit {  // one (segment, KV head)
   const float* q;  // row r = i * G + g at q + i * q_stride + g * D
   int64_t q_stride;
-  const float* k;  // this head's key p of block b at k + (b * block_size + p) * kv_stride
-  const float* v;
+  const KT* k;  // this head's key p of block b at k + (b * block_size + p) * kv_stride
+  const KT* v;
   int64_t kv_stride;
   const int64_t* blocks;
   int64_t block_size, q_len, G, D, start, kv_len;
@@ -45,13 +52,13 @@ struct Unit {  // one (segment, KV head)
 };
 
 // Calls f(p, key_or_value_ptr) for positions 0 .. kv_len-1, walking the block table.
-template <class F>
-inline void for_each_slot(const Unit& u, const float* base, F f) {
+template <class KT, class F>
+inline void for_each_slot(const Unit<KT>& u, const KT* base, F f) {
   for (int64_t blk = 0, p = 0; p < u.kv_len; ++blk) {
-    const float* b = base + u.blocks[blk] * u.block_size * u.kv_stride;
+    const KT* b = base + u.blocks[blk] * u.block_size * u.kv_stride;
     const int64_t n = std::min(u.block_size, u.kv_len - p);
     // the next block's rows are fetched while this one is used (blocks need not be adjacent)
-    const float* next = p + n < u.kv_len ? base + u.blocks[blk + 1] * u.block_size * u.kv_stride : b;
+    const KT* next = p + n < u.kv_len ? base + u.blocks[blk + 1] * u.block_size * u.kv_stride : b;
     for (int64_t t = 0; t < n; ++t, ++p) {
       for (int64_t d = 0; d < u.D; d += W) __builtin_prefetch(next + t * u.kv_stride + d);
       f(p, b + t * u.kv_stride);
@@ -61,11 +68,11 @@ inline void for_each_slot(const Unit& u, const float* base, F f) {
 
 // s[r * kv_len + p] = scale * q_r . k_p for rows r0 .. r0+NR-1 and every key (keys past a
 // row's causal limit are scored too; the softmax zeroes them).
-template <int NR>
-void score_rows(const Unit& u, int64_t r0, float scale, float* s) {
+template <int NR, class KT>
+void score_rows(const Unit<KT>& u, int64_t r0, float scale, float* s) {
   const float* qr[NR];
   for (int j = 0; j < NR; ++j) qr[j] = u.q_row(r0 + j);
-  for_each_slot(u, u.k, [&](int64_t p, const float* kp) {
+  for_each_slot(u, u.k, [&](int64_t p, const KT* kp) {
     vf acc[NR];
     vf kc = load(kp);
     for (int j = 0; j < NR; ++j) acc[j] = load(qr[j]) * kc;
@@ -96,12 +103,12 @@ void softmax_row(float* row, int64_t n, int64_t len) {
 }
 
 // out rows r0 .. r0+NR-1, columns d0 .. d0 + NC*W: sum_p s[r, p] * v_p, accumulated in registers.
-template <int NR, int NC>
-void value_rows(const Unit& u, int64_t r0, int64_t d0, const float* s) {
+template <int NR, int NC, class KT>
+void value_rows(const Unit<KT>& u, int64_t r0, int64_t d0, const float* s) {
   vf acc[NR][NC];
   for (int j = 0; j < NR; ++j)
     for (int c = 0; c < NC; ++c) acc[j][c] = vf{};
-  for_each_slot(u, u.v + d0, [&](int64_t p, const float* vp) {
+  for_each_slot(u, u.v + d0, [&](int64_t p, const KT* vp) {
     vf vc[NC];
     for (int c = 0; c < NC; ++c) vc[c] = load(vp + c * W);
     for (int j = 0; j < NR; ++j) {
@@ -113,25 +120,26 @@ void value_rows(const Unit& u, int64_t r0, int64_t d0, const float* s) {
     for (int c = 0; c < NC; ++c) store(u.out_row(r0 + j) + d0 + c * W, acc[j][c]);
 }
 
-template <int NC>
-void value_rows_nc(const Unit& u, int64_t r0, int64_t nr, int64_t d0, const float* s) {
+template <int NC, class KT>
+void value_rows_nc(const Unit<KT>& u, int64_t r0, int64_t nr, int64_t d0, const float* s) {
   switch (nr) {
-    case 4: return value_rows<4, NC>(u, r0, d0, s);
-    case 3: return value_rows<3, NC>(u, r0, d0, s);
-    case 2: return value_rows<2, NC>(u, r0, d0, s);
-    default: return value_rows<1, NC>(u, r0, d0, s);
+    case 4: return value_rows<4, NC, KT>(u, r0, d0, s);
+    case 3: return value_rows<3, NC, KT>(u, r0, d0, s);
+    case 2: return value_rows<2, NC, KT>(u, r0, d0, s);
+    default: return value_rows<1, NC, KT>(u, r0, d0, s);
   }
 }
 
-void attend(const Unit& u, float scale, std::vector<float>& s) {
+template <class KT>
+void attend(const Unit<KT>& u, float scale, std::vector<float>& s) {
   const int64_t R = u.q_len * u.G;
   s.resize(R * u.kv_len);
   int64_t r = 0;
-  for (; r + 4 <= R; r += 4) score_rows<4>(u, r, scale, s.data());
+  for (; r + 4 <= R; r += 4) score_rows<4, KT>(u, r, scale, s.data());
   switch (R - r) {
-    case 3: score_rows<3>(u, r, scale, s.data()); break;
-    case 2: score_rows<2>(u, r, scale, s.data()); break;
-    case 1: score_rows<1>(u, r, scale, s.data()); break;
+    case 3: score_rows<3, KT>(u, r, scale, s.data()); break;
+    case 2: score_rows<2, KT>(u, r, scale, s.data()); break;
+    case 1: score_rows<1, KT>(u, r, scale, s.data()); break;
   }
   for (r = 0; r < R; ++r) softmax_row(s.data() + r * u.kv_len, u.start + r / u.G + 1, u.kv_len);
   for (int64_t d0 = 0; d0 < u.D; d0 += 4 * W) {
@@ -139,10 +147,10 @@ void attend(const Unit& u, float scale, std::vector<float>& s) {
     for (r = 0; r < R; r += 4) {
       const int64_t nr = std::min<int64_t>(4, R - r);
       switch (nc) {
-        case 4: value_rows_nc<4>(u, r, nr, d0, s.data()); break;
-        case 3: value_rows_nc<3>(u, r, nr, d0, s.data()); break;
-        case 2: value_rows_nc<2>(u, r, nr, d0, s.data()); break;
-        default: value_rows_nc<1>(u, r, nr, d0, s.data()); break;
+        case 4: value_rows_nc<4, KT>(u, r, nr, d0, s.data()); break;
+        case 3: value_rows_nc<3, KT>(u, r, nr, d0, s.data()); break;
+        case 2: value_rows_nc<2, KT>(u, r, nr, d0, s.data()); break;
+        default: value_rows_nc<1, KT>(u, r, nr, d0, s.data()); break;
       }
     }
   }
@@ -153,9 +161,15 @@ void paged_attention_small(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& q_lens, const at::Tensor& starts,
                            const at::Tensor& block_table, int64_t block_size, double scale,
                            at::Tensor out) {
-  for (const at::Tensor* t : {&q, &k_cache, &v_cache, static_cast<const at::Tensor*>(&out)})
+  for (const at::Tensor* t : {&q, static_cast<const at::Tensor*>(&out)})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 3,
-                "paged_attention_small: q, caches and out must be 3-d float32 CPU tensors");
+                "paged_attention_small: q and out must be 3-d float32 CPU tensors");
+  for (const at::Tensor* t : {&k_cache, &v_cache})
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 3 &&
+                    (t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16) &&
+                    t->scalar_type() == k_cache.scalar_type(),
+                "paged_attention_small: the caches must be 3-d float32 or bfloat16 CPU tensors "
+                "of one dtype");
   for (const at::Tensor* t : {&q_rows, &q_lens, &starts, &block_table})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->is_contiguous(),
                 "paged_attention_small: index tensors must be contiguous int64 CPU tensors");
@@ -188,19 +202,25 @@ void paged_attention_small(const at::Tensor& q, const at::Tensor& k_cache,
                   "paged_attention_small: segment ", b, " has a block outside the cache");
   }
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t b = w / KVH, h = w % KVH;
-      const Unit u{qp + rows[b] * q.stride(0) + h * G * D, q.stride(0), kp + h * D, vp + h * D,
-                   KVH * D, bt + b * MB, block_size, qls[b], G, D, sts[b], sts[b] + qls[b],
-                   op + (rows[b] * H + h * G) * D, H * D};
-      attend(u, static_cast<float>(scale), scores);
-    }
-  });
+  auto run = [&](auto* kp, auto* vp) {
+    using KT = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
+    at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      for (int64_t w = begin; w < end; ++w) {
+        const int64_t b = w / KVH, h = w % KVH;
+        const Unit<KT> u{qp + rows[b] * q.stride(0) + h * G * D, q.stride(0), kp + h * D,
+                         vp + h * D, KVH * D, bt + b * MB, block_size, qls[b], G, D, sts[b],
+                         sts[b] + qls[b], op + (rows[b] * H + h * G) * D, H * D};
+        attend(u, static_cast<float>(scale), scores);
+      }
+    });
+  };
+  if (k_cache.scalar_type() == at::kFloat)
+    run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+  else  // bf16 as its bit patterns
+    run(reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+        reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()));
 }
 
 }  // namespace

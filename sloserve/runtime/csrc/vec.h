@@ -20,6 +20,13 @@ inline vf load(const float* p) {
   return v;
 }
 inline void store(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
+// 16 bfloat16 values (their bit patterns) widened to floats: exact (bf16 is float's top half).
+inline vf load(const uint16_t* p) {
+  typedef uint16_t vh __attribute__((vector_size(32)));
+  vh h;
+  __builtin_memcpy(&h, p, sizeof h);
+  return (vf)(__builtin_convertvector(h, vi) << 16);
+}
 inline float hsum(vf v) {
 #ifdef __AVX512F__
   return _mm512_reduce_add_ps((__m512)v);

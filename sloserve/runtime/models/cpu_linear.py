@@ -47,3 +47,41 @@ def pack_linears(model: nn.Module) -> int:
                 setattr(parent, name, PackedLinear(child))
                 n += 1
     return n
+
+
+# Row-invariant bf16 linears. A greedy speculative step verifies k + 1 rows per request where
+# plain decoding computes one, so a row must get the same bits whatever the number of rows M
+# in its matmul, or bf16 rounding flips near-tied argmaxes and speculative output drifts from
+# plain output. oneDNN's bf16 matmul gives a row identical bits for every M <= 32 (measured
+# on AVX512-BF16/AMX for the shapes of the smollm2 and built-in models: 576x576 .. 49152x576)
+# and switches kernels above 32 rows; float32 has no such need (its rounding noise is ~1e-7).
+BF16_ROW_BLOCK = 32
+
+
+class RowBlockedLinear(nn.Module):
+    """A bf16 CPU linear computed in blocks of BF16_ROW_BLOCK rows (tests/runtime/
+    test_smollm2.py checks the invariance end to end: bf16 speculative == plain greedy)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= BF16_ROW_BLOCK:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        return torch.cat([torch.nn.functional.linear(c, self.weight, self.bias)
+                          for c in x.split(BF16_ROW_BLOCK)])
+
+
+def block_bf16_linears(model: nn.Module) -> int:
+    """Replace every bf16 CPU nn.Linear in `model` with a RowBlockedLinear; returns how many
+    (a tied LM head keeps sharing the embedding's weight)."""
+    n = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if (isinstance(child, nn.Linear) and child.weight.device.type == "cpu"
+                    and child.weight.dtype == torch.bfloat16):
+                setattr(parent, name, RowBlockedLinear(child))
+                n += 1
+    return n
