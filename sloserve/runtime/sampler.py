@@ -12,6 +12,7 @@ import torch
 
 from sloserve.runtime.request import SamplingParams
 
+F32_MAX = torch.finfo(torch.float32).max
 MAX_TEMPERATURE = 1e6  # softmax(logits / 1e6) is uniform to float32 precision
 
 
@@ -25,7 +26,9 @@ def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     # overflows int64); top_p below float32's smallest value is "the top token only"
     temps = torch.tensor([min(p.temperature, MAX_TEMPERATURE) for p in params],
                          dtype=logits.dtype)
-    probs = torch.softmax(logits / temps[:, None], dim=-1)
+    # a finite logit over a small temperature may exceed float32 (inf - inf is NaN in the
+    # softmax): saturate at the largest finite value, -inf (masked) stays
+    probs = torch.softmax((logits / temps[:, None]).clamp_(max=F32_MAX), dim=-1)
     top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params])
     top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
     if not ((top_k > 0).any() or (top_p < 1).any()):
