@@ -24,15 +24,15 @@ DEEP = "[" * 10000 + "]" * 10000
 
 
 def _raw(digits: int, where: str) -> str:
+    """A /generate body with a number literal of `digits` digits in `where`."""
     big = "1" * digits
+    head = '{"input_ids": ' + json.dumps(P) + ', "sampling_params": {"max_new_tokens": 4, '
     if where == "temperature":
-        return '{"input_ids": %s, "sampling_params": {"max_new_tokens": 4, "temperature": %s}}' % (
-            json.dumps(P), big)
+        return head + '"temperature": ' + big + "}}"
     if where == "float":
-        return '{"input_ids": %s, "sampling_params": {"top_p": 0.%s}}' % (json.dumps(P), big)
-    schema = json.dumps('{"type": "integer", "maximum": %s}' % big)
-    return '{"input_ids": %s, "sampling_params": {"max_new_tokens": 4, "json_schema": %s}}' % (
-        json.dumps(P), schema)
+        return head + '"top_p": 0.' + big + "}}"
+    schema = json.dumps('{"type": "integer", "maximum": ' + big + "}")
+    return head + '"json_schema": ' + schema + "}}"
 
 
 # (name, path, body: dict or raw JSON text)
