@@ -108,6 +108,7 @@ async def serve(host: str, port: int, upstream: str, limits: GuardLimits,
     stopped (the child is then terminated)."""
     import uvicorn
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per forwarded request
     server = uvicorn.Server(uvicorn.Config(create_front(upstream, limits), host=host,
                                            port=port, log_level="warning", lifespan="on"))
     task = asyncio.create_task(server.serve())
