@@ -261,6 +261,7 @@ class Engine:
             "num_preemptions": req.num_preemptions,
             "spec": vars(req.spec).copy(),
             "logprobs": req.logprobs,
+            "error": req.error,  # why the engine ended it alone (finish_reason "abort")
         }
 
     def check_idle_integrity(self) -> None:
