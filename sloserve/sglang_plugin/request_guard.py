@@ -150,6 +150,8 @@ def _check_top(v: Any, field: str, lim: GuardLimits) -> None:
     if v > lim.max_top_logprobs_num:
         raise Refused(field, f"{v} is over this server's limit of {lim.max_top_logprobs_num} "
                       "(--max-top-logprobs-num)")
+    if lim.vocab_size is not None and v > lim.vocab_size:  # SGLang's topk fails beyond it
+        raise Refused(field, f"{v} is more than the vocabulary's {lim.vocab_size} tokens")
 
 
 def _safe_top_k(params: dict, field: str) -> bool:

@@ -6,6 +6,7 @@ it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -35,6 +36,7 @@ REFUSED = [
     ("/generate", {"text": "a", "top_logprobs_num": 10**6}, "top_logprobs_num"),
     ("/generate", {"text": ["a", "b"], "top_logprobs_num": [1, 6]}, "top_logprobs_num"),
     ("/generate", {"text": "a", "logprob_start_len": -5}, "logprob_start_len"),
+    ("/generate", {"text": "a", "top_logprobs_num": 4}, "top_logprobs_num", 3),
     ("/generate", {"text": "a", "sampling_params": {"top_k": -2}}, "sampling_params.top_k"),
     ("/generate", {"text": "a", "sampling_params": {"json_schema": DEEP}},
      "sampling_params.json_schema"),
@@ -49,10 +51,12 @@ REFUSED = [
 ]
 
 
-@pytest.mark.parametrize("path,body,param", REFUSED, ids=[f"{p} {r}" for p, _, r in REFUSED])
-def test_refused_values_name_their_field(path, body, param):
+@pytest.mark.parametrize("case", REFUSED, ids=[f"{c[0]} {c[2]}" for c in REFUSED])
+def test_refused_values_name_their_field(case):
+    path, body, param, *vocab = case
+    limits = dataclasses.replace(LIMITS, vocab_size=vocab[0]) if vocab else LIMITS
     with pytest.raises(Refused) as e:
-        check_body(path, body, LIMITS)
+        check_body(path, body, limits)
     assert e.value.param == param, str(e.value)
 
 
