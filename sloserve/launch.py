@@ -63,7 +63,9 @@ def http_options(args: argparse.Namespace) -> HTTPOptions:
         host=args.host, api_key=args.api_key,
         allowed_hosts=tuple(args.allowed_hosts) if args.allowed_hosts else None,
         allowed_origins=tuple(args.allowed_origins), max_body_bytes=args.max_request_body_bytes,
-        body_timeout_s=args.request_body_timeout, header_timeout_s=args.request_header_timeout)
+        body_timeout_s=args.request_body_timeout, header_timeout_s=args.request_header_timeout,
+        max_n=args.max_n, max_batch_prompts=args.max_batch_prompts,
+        max_top_logprobs_num=args.max_top_logprobs_num)
 
 
 def _existing_dir(text: str) -> str:
@@ -187,6 +189,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "default: none (CORS off)")
     h.add_argument("--max-request-body-bytes", type=_int_in(1), default=_HTTP.max_body_bytes,
                    help="larger request bodies are answered 413 before they are read")
+    h.add_argument("--max-n", type=_int_in(1), default=_HTTP.max_n,
+                   help="most samples per prompt a request may ask for (n); more: 400")
+    h.add_argument("--max-batch-prompts", type=_int_in(1), default=_HTTP.max_batch_prompts,
+                   help="most prompts of one batch request, and samples in all (prompts x "
+                   "n); more: 400")
+    h.add_argument("--max-top-logprobs-num", type=_int_in(0),
+                   default=_HTTP.max_top_logprobs_num,
+                   help="most top log-probabilities per token a request may ask for "
+                   "(top_logprobs_num, logprobs, top_logprobs); more: 400")
     h.add_argument("--request-header-timeout", type=_seconds, default=_HTTP.header_timeout_s,
                    help="seconds a request's headers may take to arrive (then the connection "
                    "is closed)")

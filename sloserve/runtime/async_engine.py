@@ -5,8 +5,11 @@ Callers submit commands through a queue and receive each request's outputs on an
 queue. Invalid requests raise in the caller (before any streaming); a consumer that stops
 early (client disconnect) aborts its request, which frees its KV blocks.
 
-A step that raises fails only its batch: the running requests get StepFailed, their KV
-blocks go back to the pool, and the loop goes on with the waiting ones. The engine stops
+Work of one request inside a step that raises (its sampling rows, its grammar, its
+log-probabilities) fails only that request (RequestFailed; step.py isolates it), and its
+co-batched requests go on with the output they would have had alone. A step that raises as a
+whole (the forward pass, drafting) fails only its batch: the running requests get StepFailed,
+their KV blocks go back to the pool, and the loop goes on with the waiting ones. The engine stops
 (every request gets EngineDeadError, `alive` turns False) only when the KV pool is
 inconsistent after such a failure, when MAX_CONSECUTIVE_STEP_FAILURES steps fail in a row,
 or when anything outside a step fails.
@@ -42,6 +45,11 @@ class EngineDeadError(EngineFailure):
 class StepFailed(EngineFailure):
     """The engine step that ran this request raised; the request was dropped and the engine
     went on with the others."""
+
+
+class RequestFailed(EngineFailure):
+    """The engine's work for this request alone raised (its sampling rows, its grammar): it
+    ended this request, the rest of its batch went on."""
 
 
 MAX_CONSECUTIVE_STEP_FAILURES = 8  # then the engine is broken, not one batch: it stops
@@ -167,7 +175,10 @@ class AsyncEngine:
         orphaned = False
         for o in outs:
             sink = self._sinks.pop(o.rid, None) if o.finished else self._sinks.get(o.rid)
-            if sink is not None and not sink(o) and not o.finished:
+            if sink is not None and o.error is not None:
+                sink(RequestFailed(f"the engine could not continue this request ({o.error}); "
+                                   "it alone was ended, the server goes on"))
+            elif sink is not None and not sink(o) and not o.finished:
                 self._sinks.pop(o.rid, None)  # nobody listens any more: free its KV now
                 orphaned = self.engine.abort(o.rid) or orphaned
         if orphaned:  # their abort outputs (finished, so this recursion ends) find no sink

@@ -54,6 +54,9 @@ class RequestOutput:
     spec_proposed: int
     # the new tokens' log-probabilities (params.logprobs set), aligned with new_token_ids
     new_logprobs: TokenLogprobs | None = None
+    # set when the engine ended this request alone because its step's work raised (its
+    # sampling rows, its grammar): the request failed, the rest of its batch went on
+    error: str | None = None
 
 
 class Engine:
@@ -197,7 +200,7 @@ class Engine:
             outs.append(self._output(req, new_ids, new_text))
             if req.finished:
                 self.requests.pop(req.rid, None)
-        return outs
+        return outs + self.take_aborted()  # requests the step failed alone (output.error)
 
     def take_aborted(self) -> list[RequestOutput]:
         """Outputs for requests finished outside step() (aborts), once each."""
@@ -225,6 +228,7 @@ class Engine:
             spec_accepted=req.spec.accepted,
             spec_proposed=req.spec.proposed,
             new_logprobs=lp,
+            error=req.error,
         )
 
     def generate(
@@ -257,6 +261,7 @@ class Engine:
             "num_preemptions": req.num_preemptions,
             "spec": vars(req.spec).copy(),
             "logprobs": req.logprobs,
+            "error": req.error,  # why the engine ended it alone (finish_reason "abort")
         }
 
     def check_idle_integrity(self) -> None:

@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sloserve.runtime.request import GREEDY_TEMPERATURE
+from sloserve.runtime.sampler import F32_MAX, MAX_TEMPERATURE
+
 _LOWEST = torch.finfo(torch.float32).min
 
 
@@ -28,6 +31,10 @@ class TokenLogprobs:
     k: int
     logprobs: list[float] = field(default_factory=list)  # [n]
     top: list[list[tuple[int, float]]] = field(default_factory=list)  # [n][k] (token, logprob)
+
+    def head(self, n: int) -> TokenLogprobs:
+        """The first n tokens' entries."""
+        return TokenLogprobs(self.k, self.logprobs[:n], self.top[:n])
 
     def extend(self, other: TokenLogprobs) -> None:
         self.logprobs.extend(other.logprobs)
@@ -42,9 +49,12 @@ def token_logprobs(
 ) -> TokenLogprobs:
     """The log-probabilities of the emitted tokens and the top k of each row."""
     x = logits[: len(tokens)].float()
-    if temperature > 0 and temperature != 1.0:
-        x = x / temperature
-    lp = torch.log_softmax(x, dim=-1).clamp_(min=_LOWEST)  # [n, V]
+    # greedy requests (below GREEDY_TEMPERATURE: 1e-300 would make every logit inf) are
+    # reported at temperature 1, as SGLang's sampler does; a small one saturates like the
+    # sampler's (sampler.processed_probs)
+    if temperature >= GREEDY_TEMPERATURE and temperature != 1.0:
+        x = (x / min(temperature, MAX_TEMPERATURE)).clamp_(max=F32_MAX)
+    lp = torch.log_softmax(x, dim=-1).nan_to_num_(nan=_LOWEST).clamp_(min=_LOWEST)  # [n, V]
     out = TokenLogprobs(k)
     out.logprobs = lp.gather(1, torch.tensor(list(tokens))[:, None])[:, 0].tolist()
     if k > 0:

@@ -31,6 +31,8 @@ import torch
 
 from sloserve.runtime.errors import InvalidRequest
 
+_F32_MAX = torch.finfo(torch.float32).max
+
 
 @dataclass(frozen=True)
 class PenaltyParams:
@@ -153,12 +155,16 @@ def apply_penalties(
     if len(cols):
         x = logits[:, cols] - sub  # [R, S']
         if params.repetition_penalty != 1.0:
-            p = params.repetition_penalty  # factor 1 / p (positive logits) or p, in float32
-            factor = torch.where(x > 0, 1.0 / p, p)
+            # factor 1 / p (positive logits) or p, in float32: 1 / p saturates at float32's
+            # largest value (p = 1e-300 is a valid penalty, 1e300 is no float32), and so do
+            # the penalised logits, so that no finite logit turns into inf (and NaN later)
+            p = params.repetition_penalty
+            factor = torch.where(x > 0, min(1.0 / p, _F32_MAX), p)
             S = len(col.cols)
             if len(cols) > S:  # a new column is seen only from the row after its first draft
                 factor[:, S:] = torch.where(extra[:, S:] > 0, factor[:, S:], 1.0)
             x *= factor
+            x.clamp_(-_F32_MAX, _F32_MAX)
         out[:, cols] = x
     return out
 

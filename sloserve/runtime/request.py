@@ -197,6 +197,8 @@ class Request:
     constraints: RequestConstraints | None = None
     # output token log-probabilities so far (None unless params.logprobs is set)
     logprobs: TokenLogprobs | None = None
+    # why the engine ended this request alone (its step's work raised); None otherwise
+    error: str | None = None
 
     def __post_init__(self):
         if self.params.seed is not None:

@@ -12,6 +12,7 @@ import torch
 
 from sloserve.runtime.request import SamplingParams
 
+F32_MAX = torch.finfo(torch.float32).max
 MAX_TEMPERATURE = 1e6  # softmax(logits / 1e6) is uniform to float32 precision
 
 
@@ -39,7 +40,9 @@ def processed_distribution(logits: torch.Tensor, temperature: torch.Tensor,
     # overflows int64); top_p below float32's smallest value is "the top token only"
     dev = logits.device
     temps = temperature.to(torch.float64).clamp(1e-6, MAX_TEMPERATURE).to(logits.dtype).to(dev)
-    probs = torch.softmax(logits / temps[:, None], dim=-1)
+    # a finite logit over a small temperature may exceed float32 (inf - inf is NaN in the
+    # softmax): saturate at the largest finite value, -inf (masked) stays
+    probs = torch.softmax((logits / temps[:, None]).clamp_(max=F32_MAX), dim=-1)
     top_k = top_k.to(torch.int64).to(dev)
     top_k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.zeros_like(top_k))
     top_p = top_p.to(logits.dtype).to(dev)

@@ -26,6 +26,7 @@ class EngineStats:
     generated_tokens: int = 0
     requests_finished: int = 0
     requests_aborted: int = 0
+    requests_failed: int = 0  # ended alone by an error in their step's work (isolation)
     preemptions: int = 0
     spec_steps: int = 0  # steps that verified at least one draft token
     verify_steps: int = 0  # request-steps that verified >= 1 draft token

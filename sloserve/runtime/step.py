@@ -7,6 +7,7 @@ the simulator; the speculation decisions are the policy's plan (sloserve.specula
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -18,7 +19,7 @@ from sloserve.runtime.constraints import Processed
 from sloserve.runtime.constraints.batch import process_targets
 from sloserve.runtime.detokenizer import Detokenizer, DetokState, find_stop, partial_stop_len
 from sloserve.runtime.engine_setup import EngineParts
-from sloserve.runtime.logprobs import token_logprobs
+from sloserve.runtime.logprobs import TokenLogprobs, token_logprobs
 from sloserve.runtime.request import FinishReason, Request, Status
 from sloserve.runtime.sampler import draw, processed_probs
 from sloserve.runtime.scheduler import Scheduler
@@ -41,6 +42,29 @@ from sloserve.runtime.step_books import (
 from sloserve.speculation import SpecSession
 
 Touched = tuple[Request, list[int], str]  # request, new token ids, new text
+log = logging.getLogger(__name__)
+
+
+class RequestError(RuntimeError):
+    """The step's work for one request raised: that request fails, its batch goes on."""
+
+
+def _process_one(item) -> Processed | RequestError:
+    try:
+        return process_targets([item])[0]
+    except Exception as e:  # noqa: BLE001 - handed to the step, which fails this request
+        err = RequestError(f"{type(e).__name__}: {e}")
+        err.__cause__ = e
+        return err
+
+
+def check_rows(logits: torch.Tensor) -> None:
+    """Raise unless every row [R, V] leaves a token to sample: a row whose every entry is
+    -inf (a grammar that masks every token) or NaN has no distribution."""
+    top = logits.amax(dim=-1)
+    if not bool(torch.isfinite(top).all()):
+        raise RequestError("no token can be sampled: every token is masked (a grammar that "
+                           "allows nothing here) or the processed logits are not numbers")
 
 
 class StepRunner:
@@ -150,15 +174,15 @@ class StepRunner:
         for j, r in enumerate(reqs):
             d = j - len(done)  # index among the decodes (negative: a prefill)
             q = draft.q[d] if d >= 0 and draft is not None and draft.q is not None else None
-            pr = processed[j]
-            emitted = self._accept(r, chains[j], q, logits[rows[j]], argmax[rows[j]], pr)
+            try:  # a request whose rows cannot be sampled fails alone (isolation)
+                emitted, lp = self._emit(r, chains[j], q, logits[rows[j]], argmax[rows[j]],
+                                         processed[j])
+                touched.append(self._commit(r, emitted, lp))
+            except Exception as e:  # noqa: BLE001 - attributed to this request only
+                self.fail(r, e)
+                continue
             if d >= 0:
                 accepted[d] = len(emitted) - 1
-            touched.append(self._commit(r, emitted))
-            if r.logprobs is not None:  # the committed tokens' rows, processed as sampled
-                r.logprobs.extend(token_logprobs(
-                    pr.logits if pr is not None else logits[rows[j]], touched[-1][1],
-                    r.params.temperature, r.logprobs.k))
         # 7. books and feedback
         step_time = time.perf_counter() - t0
         account_step(self.stats, decodes, draft, accepted, step_time, len(prefills),
@@ -175,16 +199,47 @@ class StepRunner:
         s.policy_time_total += draft.policy_time
 
     def _process(self, reqs: list[Request], chains: list[list[int]], rows: list[slice],
-                 logits: torch.Tensor) -> list[Processed | None]:
-        """Processed target rows of the constrained requests (None for the others)."""
+                 logits: torch.Tensor) -> list[Processed | RequestError | None]:
+        """Processed target rows of the constrained requests (None for the others). When the
+        batched pass raises, each request's rows are processed alone: the one that raises
+        gets its error (RequestError) instead, the others their rows, the same values."""
         out: list[Processed | None] = [None] * len(reqs)
         if not self._constrained:  # the common case: no request uses these options
             return out
         idx = [j for j, r in enumerate(reqs) if r.constraints is not None]
         items = [(reqs[j].constraints, logits[rows[j]], chains[j]) for j in idx]
-        for j, pr in zip(idx, process_targets(items)):
+        try:
+            done = process_targets(items)
+        except Exception:  # noqa: BLE001 - one request's rows: find it, process each alone
+            done = [_process_one(item) for item in items]
+        for j, pr in zip(idx, done):
             out[j] = pr
         return out
+
+    def _emit(self, r: Request, chain: list[int], q: list[torch.Tensor] | None, logits,
+              argmax, pr: Processed | RequestError | None
+              ) -> tuple[list[int], TokenLogprobs | None]:
+        """One request's emitted tokens and (if it asked) their log-probabilities, computed
+        before anything of it is committed; raises when its rows cannot be sampled."""
+        if isinstance(pr, RequestError):
+            raise pr
+        if pr is not None:
+            check_rows(pr.logits)
+        emitted = self._accept(r, chain, q, logits, argmax, pr)
+        lp = None
+        if r.logprobs is not None:  # the emitted tokens' rows, processed as sampled
+            lp = token_logprobs(pr.logits if pr is not None else logits, emitted,
+                                r.params.temperature, r.logprobs.k)
+        return emitted, lp
+
+    def fail(self, r: Request, error: BaseException) -> None:
+        """End one request whose step work raised; the rest of the batch goes on."""
+        log.warning("request %s failed in its step (%r); the others go on", r.rid, error)
+        r.error = f"{type(error).__name__}: {error}"[:300]
+        self.stats.requests_failed += 1
+        if r.constraints is not None:
+            r.constraints.drop_drafts()
+        self.finish(r, FinishReason.ABORT)
 
     def _accept(self, r: Request, chain: list[int], q: list[torch.Tensor] | None, logits,
                 argmax, pr: Processed | None) -> list[int]:
@@ -207,9 +262,10 @@ class StepRunner:
         return speculative_accept(chain, q_rows, probs, r.generator)
 
     # ----- commit: append tokens, stop checks, KV rollback
-    def _commit(self, r: Request, tokens: list[int]) -> Touched:
-        """Append the emitted tokens up to a stop (or the length limit); stop checks, the
-        constraints' commit, KV rollback."""
+    def _commit(self, r: Request, tokens: list[int], lp: TokenLogprobs | None = None
+                ) -> Touched:
+        """Append the emitted tokens up to a stop (or the length limit) and their
+        log-probabilities; stop checks, the constraints' commit, KV rollback."""
         st = self._detok[r.rid]
         new_ids: list[int] = []
         reason = None
@@ -244,6 +300,8 @@ class StepRunner:
             safe = len(r.output_text) - partial_stop_len(r.output_text, r.params.stop)
         new_text = r.output_text[r.text_sent : safe]
         r.text_sent = max(r.text_sent, safe)
+        if lp is not None and r.logprobs is not None:
+            r.logprobs.extend(lp.head(len(new_ids)))
         return r, new_ids, new_text
 
     def _token_stop(self, r: Request, t: int) -> FinishReason | None:

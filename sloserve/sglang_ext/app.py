@@ -26,7 +26,7 @@ def create_app(engine: Engine, served_model_name: str | None = None,
     ServingState. Serve it with uvicorn.Config(http=with_header_timeout(...)) so that the
     header deadline of `options` holds too."""
     options = options or HTTPOptions()
-    state = ServingState(engine, served_model_name)
+    state = ServingState(engine, served_model_name, options)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

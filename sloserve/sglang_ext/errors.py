@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sloserve.runtime.async_engine import EngineDeadError, StepFailed
+from sloserve.runtime.async_engine import EngineDeadError, EngineFailure
 from sloserve.runtime.request import InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -128,6 +128,8 @@ def parse_json_body(raw: bytes, model: type[M]) -> M:
         raise APIError.bad("body", f"malformed JSON: {e}") from None
     except RecursionError:
         raise APIError.bad("body", "JSON nested too deeply") from None
+    except ValueError as e:  # a number literal of over 4300 digits (Python's int limit)
+        raise APIError.bad("body", f"malformed JSON: {str(e)[:200]}") from None
     if not isinstance(data, dict):
         raise APIError.bad("body", f"must be a JSON object, got {type(data).__name__}")
     if _SURROGATE_ESCAPE.search(raw):
@@ -223,8 +225,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _dead(request: Request, exc: EngineDeadError):
         return error_response(request, 503, str(exc), None)
 
-    @app.exception_handler(StepFailed)
-    async def _step(request: Request, exc: StepFailed):
+    @app.exception_handler(EngineFailure)  # StepFailed, RequestFailed (EngineDead: 503)
+    async def _step(request: Request, exc: EngineFailure):
         return error_response(request, 500, str(exc), None)
 
     @app.exception_handler(Exception)

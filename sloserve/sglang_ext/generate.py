@@ -197,6 +197,12 @@ async def _items_stream(state: ServingState, jobs: list[Job]) -> AsyncIterator[d
 async def generate(request: Request, state: ServingState):
     req = await parse_body(request, GenerateRequest)
     items, batched = normalize(req)
+    prompt_field = "text" if req.text is not None else "input_ids"
+    for it in items:
+        where = f"sampling_params[{it.index}].n" if isinstance(req.sampling_params, list) else \
+            "sampling_params.n"
+        state.check_samples(len(items), it.sp.n, prompt_field, where)
+        state.check_top_logprobs(it.top_logprobs_num, "top_logprobs_num")
     for it in items:  # every text measured before any is tokenized
         if isinstance(it.prompt, str):
             state.check_text_size(len(it.prompt), f"text[{it.index}]" if batched else "text")

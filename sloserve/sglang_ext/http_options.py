@@ -20,6 +20,11 @@ class HTTPOptions:
     max_body_bytes: int = 32 << 20
     body_timeout_s: float = 30.0  # the whole body must arrive within this
     header_timeout_s: float = 10.0  # a request's headers must arrive within this
+    # what one request may ask for (a 400 naming the field beyond): samples per prompt (n),
+    # prompts of a batch and samples in all (prompts x n), top log-probabilities per token
+    max_n: int = 64
+    max_batch_prompts: int = 256
+    max_top_logprobs_num: int = 100
 
     def host_names(self) -> tuple[str, ...] | None:
         """The Host names accepted; None accepts any (a wildcard bind without a list)."""

@@ -65,6 +65,10 @@ async def _jobs(st: ServingState, body, prompts: list, max_new: int | None, fiel
                 max_field: str = "max_tokens", echo: bool = False) -> list[Job]:
     if max_new is not None and max_new < 1:
         raise APIError.bad("max_tokens", f"must be >= 1, got {max_new}")
+    st.check_samples(len(prompts), body.n, field, "n")
+    if body.logprobs_k is not None:
+        st.check_top_logprobs(body.logprobs_k, "logprobs" if field == "prompt" else
+                              "top_logprobs")
     names = [field if len(prompts) == 1 else f"{field}[{i}]" for i in range(len(prompts))]
     for p, name in zip(prompts, names):  # every text measured before any is tokenized
         if isinstance(p, str):

@@ -19,6 +19,7 @@ from sloserve.runtime.engine_setup import load_tokenizer
 from sloserve.runtime.logprobs import TokenLogprobs
 from sloserve.runtime.request import InvalidRequest, SamplingParams, validate_prompt
 from sloserve.sglang_ext.errors import APIError, from_invalid
+from sloserve.sglang_ext.http_options import HTTPOptions
 from sloserve.sglang_ext.logprobs import PoolBusy, Scores, score_tokens
 from sloserve.sglang_ext.metrics import EngineSnapshot, ServerMetrics, take_snapshot
 from sloserve.slo import effective_slo
@@ -89,8 +90,10 @@ def longest_token_chars(tokenizer) -> int:
 class ServingState:
     """One per server. Owns the AsyncEngine (its engine thread) and the metrics registry."""
 
-    def __init__(self, engine: Engine, served_model_name: str | None = None):
+    def __init__(self, engine: Engine, served_model_name: str | None = None,
+                 options: HTTPOptions | None = None):
         self.engine = engine
+        self.options = options or HTTPOptions()  # the per-request limits among them
         self.cfg = engine.cfg
         self.aengine = AsyncEngine(engine)
         # a tokenizer of our own: the engine thread detokenizes with the engine's
@@ -107,6 +110,28 @@ class ServingState:
         self.max_prompt_chars = self.max_prompt_tokens * self.max_token_chars
         self.metrics = ServerMetrics()
         self.started = time.time()
+
+    # ----- per-request limits (HTTPOptions: --max-n, --max-batch-prompts,
+    # --max-top-logprobs-num): checked before any prompt is tokenized or anything queued
+    def check_samples(self, prompts: int, n: int, prompt_field: str, n_field: str) -> None:
+        """400 when a request asks for more samples per prompt, prompts, or samples in all
+        than the server allows."""
+        o = self.options
+        if n > o.max_n:
+            raise APIError.bad(n_field, f"{n} samples per prompt are over this server's limit "
+                               f"of {o.max_n} (--max-n)")
+        if prompts > o.max_batch_prompts:
+            raise APIError.bad(prompt_field, f"a batch of {prompts} prompts is over this "
+                               f"server's limit of {o.max_batch_prompts} (--max-batch-prompts)")
+        if prompts * n > o.max_batch_prompts:
+            raise APIError.bad(n_field, f"{prompts} prompts x n {n} = {prompts * n} samples are "
+                               f"over this server's limit of {o.max_batch_prompts} per request "
+                               "(--max-batch-prompts)")
+
+    def check_top_logprobs(self, k: int, field_name: str) -> None:
+        if k > self.options.max_top_logprobs_num:
+            raise APIError.bad(field_name, f"{k} is over this server's limit of "
+                               f"{self.options.max_top_logprobs_num} (--max-top-logprobs-num)")
 
     # ----- prompts
     def encode(self, text: str) -> list[int]:

@@ -5,12 +5,17 @@ sloserve's options are taken here and turned into SGLang's: the model pair (the 
 when none is given), `--tpot-slo` (the default SLO), `--spec-policy` (any policy of
 sloserve.policies.registry, or ar: SGLang without speculation, the reference), `--k-max`
 (the most draft steps per batch), `--spec-options`, `--host`, `--port`, with the built-in
-engine's defaults (sloserve/spec_config.py); the worker's settings travel to SGLang's
+engine's defaults (sloserve/spec_config.py), and the request limits `--max-n`,
+`--max-batch-prompts`, `--max-top-logprobs-num`; the worker's settings travel to SGLang's
 processes as one serialised WorkerConfig (settings.py). Every other
 option (`--chat-template`, `--tokenizer-path`, `--api-key`, ...) goes to SGLang unchanged;
 none is abbreviated, and a busy port is an error before anything loads. On a machine without CUDA the CPU engine's flags and the
 sgl_kernel stand-in are added (cpu_server.py). Must run in a python with SGLang's runtime
-installed (scripts/sglang_runtime_env.sh prints one); the process is replaced by SGLang's.
+installed (scripts/sglang_runtime_env.sh prints one).
+
+SGLang's server runs as a child on a loopback port behind a thin front (front.py) on --host /
+--port that checks request bodies first (request_guard.py: values that stop SGLang's server,
+and the limits); `--no-request-guard` replaces this process by SGLang's server instead.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from sloserve.sglang_plugin.cpu_server import (
     server_command,
     server_env,
 )
+from sloserve.sglang_plugin.request_guard import GuardLimits
 from sloserve.spec_config import DEFAULTS, SpeculationConfig
 from sloserve.units import duration
 
@@ -90,15 +96,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--max-total-tokens", type=int, default=None,
                    help="KV cache tokens (CPU default 8192)")
+    g = GuardLimits()
+    p.add_argument("--max-n", type=int, default=g.max_n,
+                   help="most samples per prompt a request may ask for (n); more: 400")
+    p.add_argument("--max-batch-prompts", type=int, default=g.max_batch_prompts,
+                   help="most prompts of one batch request, and samples in all; more: 400")
+    p.add_argument("--max-top-logprobs-num", type=int, default=g.max_top_logprobs_num,
+                   help="most top log-probabilities per token a request may ask for")
+    p.add_argument("--no-request-guard", action="store_true",
+                   help="serve SGLang's server directly, without the front that checks "
+                   "request bodies (front.py): some values then stop SGLang's server")
     return p
 
 
-def sglang_args(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
-    """(SGLang's launch_server command, its environment) for sloserve's and SGLang's options."""
+def sglang_args(argv: Sequence[str], bind: tuple[str, int] | None = None
+                ) -> tuple[list[str], dict[str, str]]:
+    """(SGLang's launch_server command, its environment) for sloserve's and SGLang's options.
+    bind: the (host, port) SGLang's server listens on, when not --host / --port (behind the
+    front)."""
     parser = build_parser()
     args, passthrough = parser.parse_known_args(list(argv))
     if args.k_max < 1:
         parser.error(f"argument --k-max: must be >= 1, got {args.k_max}")
+    for name in ("max_n", "max_batch_prompts"):
+        if getattr(args, name) < 1:
+            parser.error(f"argument --{name.replace('_', '-')}: must be >= 1")
+    if args.max_top_logprobs_num < 0:
+        parser.error("argument --max-top-logprobs-num: must be >= 0")
+    if bind is not None:
+        args.host, args.port = bind
     try:
         worker = settings.WorkerConfig(
             SpeculationConfig(policy=args.spec_policy, k_max=args.k_max, tpot_slo=args.tpot_slo,
@@ -162,7 +188,55 @@ def main(argv: Sequence[str]) -> int:
     # the first start builds the built-in pair: let its log lines (and their times) show
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
-    cmd, env = sglang_args(argv)
-    print("sloserve: starting SGLang:", " ".join(cmd[1:]), flush=True)
-    os.execve(cmd[0], cmd, env)
-    return 0  # not reached
+    if args.no_request_guard:
+        cmd, env = sglang_args(argv)
+        print("sloserve: starting SGLang:", " ".join(cmd[1:]), flush=True)
+        os.execve(cmd[0], cmd, env)
+        return 0  # not reached
+    return _serve_guarded(args, argv)
+
+
+def _serve_guarded(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """SGLang's server on a free loopback port as a child, the front (front.py) on --host /
+    --port in this process."""
+    import asyncio
+    import subprocess
+
+    from sloserve.sglang_plugin.front import serve
+
+    inner = ("127.0.0.1", _free_loopback_port())
+    cmd, env = sglang_args(argv, bind=inner)
+    limits = GuardLimits(max_n=args.max_n, max_batch_prompts=args.max_batch_prompts,
+                         max_top_logprobs_num=args.max_top_logprobs_num,
+                         vocab_size=_vocab_size(cmd))
+    print(f"sloserve: starting SGLang behind the request guard on {args.host}:{args.port}:",
+          " ".join(cmd[1:]), flush=True)
+    child = subprocess.Popen(cmd, env=env)
+    try:
+        return asyncio.run(serve(args.host, args.port, f"http://{inner[0]}:{inner[1]}", limits,
+                                 child))
+    finally:
+        if child.poll() is None:
+            child.terminate()
+            child.wait(30)
+
+
+def _free_loopback_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _vocab_size(cmd: list[str]) -> int | None:
+    """The target model's vocabulary size, from its config.json (None: unknown)."""
+    import json
+    from pathlib import Path
+
+    try:
+        path = Path(cmd[cmd.index("--model-path") + 1]) / "config.json"
+        cfg = json.loads(path.read_text())
+        return int(cfg.get("vocab_size") or cfg["text_config"]["vocab_size"])
+    except (ValueError, IndexError, KeyError, OSError, TypeError):
+        return None

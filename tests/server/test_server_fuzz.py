@@ -3,7 +3,10 @@ the HTTP layer with random sampling parameters and bodies, extremes included (hu
 negative integers, NaN, infinities, subnormals, junk types, unknown keys, malformed JSON).
 Properties: the engine accepts or refuses with InvalidRequest, the server answers only 200
 or a 4xx JSON error, no engine step ever fails, the engine stays alive, the KV pool ends all
-free. Bounded: SLOSERVE_FUZZ_EXAMPLES examples per test (default 40), at most 3 new tokens
+free. Issue 34, acceptance 2: well-formed bodies with every honoured field at its extremes
+(tiny temperatures and repetition penalties, grammars that admit nothing or nest 10k deep,
+huge n and top_logprobs_num, batches) answer 200 or a 400, never a 5xx, and no request fails
+in the engine. Bounded: SLOSERVE_FUZZ_EXAMPLES examples per test (default 40), at most 3 new tokens
 per request, a small KV pool so that huge token counts are refused rather than run."""
 
 from __future__ import annotations
@@ -237,3 +240,102 @@ def test_after_fuzzing_a_normal_request_succeeds(fuzz_server):
     r = c.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {
         "max_new_tokens": 3, "temperature": 0, "ignore_eos": True}})
     assert r.status_code == 200 and len(r.json()["output_ids"]) == 3, r.text
+
+
+# ----- issue 34: well-formed bodies, every honoured field at its extremes
+GRAMMARS = st.sampled_from([
+    {"regex": "[a-z]+"}, {"regex": "\\d{1,3}"}, {"json_schema": '{"type": "object"}'},
+    {"json_schema": json.dumps({"$defs": {"x": {"$ref": "#/$defs/x"}}, "$ref": "#/$defs/x"})},
+    {"json_schema": "[" * 10000 + "]" * 10000},
+    {"json_schema": '{"type": "integer", "maximum": ' + "9" * 5000 + "}"},
+    {"ebnf": 'root ::= "a" | "b"'}, {}])
+TEMPERATURES = st.one_of(st.sampled_from([0.0, 5e-324, 1e-320, 1e-300, 1e-45, 1e-38, 1e-37,
+                                          1e-7, 1e-6, 1e-5, 0.5, 1.0, 2.0, 1e6, 1e308]),
+                         st.floats(0, 1e308))
+PENALTIES = st.one_of(st.sampled_from([-2.0, -1e-300, 0.0, 5e-324, 1e-300, 2.0]),
+                      st.floats(-2, 2))
+REPETITION = st.one_of(st.sampled_from([5e-324, 1e-320, 1e-300, 1e-38, 1e-30, 1e-6, 0.5, 1.0,
+                                        2.0]), st.floats(5e-324, 2))
+WELL_FORMED = {
+    "max_new_tokens": st.integers(0, 3),
+    "min_new_tokens": st.integers(0, 3),
+    "n": st.one_of(st.integers(1, 3), st.sampled_from([64, 65, 10**6, 2**63])),
+    "temperature": TEMPERATURES,
+    "top_p": VALID["top_p"],
+    "top_k": VALID["top_k"],
+    "frequency_penalty": PENALTIES,
+    "presence_penalty": PENALTIES,
+    "repetition_penalty": REPETITION,
+    "sampling_seed": VALID["sampling_seed"],
+    "stop": VALID["stop"],
+    "stop_token_ids": VALID["stop_token_ids"],
+    "ignore_eos": st.booleans(),
+    "no_stop_trim": st.booleans(),
+    "tpot_slo": st.sampled_from([1e-300, 0.03, 1e300]),
+    "ttft_slo": st.sampled_from([1e-300, 1.0, 1e300]),
+}
+TOP_LOGPROBS = st.sampled_from([0, 1, 5, 100, 101, 10**6, 2**63])
+# a request runs ~0.5 s on a busy 2-core CI machine: half the examples of the others
+WELL_FORMED_FUZZ = settings(FUZZ, max_examples=max(1, EXAMPLES // 2))
+
+
+def _well_formed_check(srv, r: httpx.Response, stream: bool) -> None:
+    _check(r, stream)
+    if r.status_code != 200:
+        body = r.json()
+        assert "internal" not in body.get("error", body)["message"], body
+    assert srv.state.aengine.alive and srv.state.aengine.failed_steps == 0
+    assert srv.engine.stats.requests_failed == 0
+
+
+@WELL_FORMED_FUZZ
+@given(prompt=good_prompts, sp=st.fixed_dictionaries({}, optional=WELL_FORMED),
+       grammar=GRAMMARS, stream=st.booleans(), logprob=st.booleans(), top=TOP_LOGPROBS,
+       start=st.sampled_from([-1, 0, 2]), batch=st.integers(1, 3))
+def test_http_well_formed_generate(fuzz_server, prompt, sp, grammar, stream, logprob, top,
+                                   start, batch):
+    srv, c = fuzz_server
+    key = "text" if isinstance(prompt, str) else "input_ids"
+    body = {key: prompt if batch == 1 else [prompt] * batch,
+            "sampling_params": {**sp, **grammar}, "stream": stream}
+    if logprob:
+        body.update(return_logprob=True, top_logprobs_num=top, logprob_start_len=start)
+    _well_formed_check(srv, _post(c, "/generate", body), stream)
+
+
+OPENAI_WELL_FORMED = {
+    "max_tokens": st.integers(1, 3),
+    "min_tokens": st.integers(0, 3),
+    "n": WELL_FORMED["n"],
+    "temperature": TEMPERATURES,
+    "top_p": VALID["top_p"],
+    "top_k": VALID["top_k"],
+    "frequency_penalty": PENALTIES,
+    "presence_penalty": PENALTIES,
+    "repetition_penalty": REPETITION,
+    "seed": VALID["sampling_seed"],
+    "stop": VALID["stop"],
+    "ignore_eos": st.booleans(),
+}
+
+
+@WELL_FORMED_FUZZ
+@given(prompt=good_prompts, params=st.fixed_dictionaries({}, optional=OPENAI_WELL_FORMED),
+       grammar=GRAMMARS, stream=st.booleans(), chat=st.booleans(), logprob=st.booleans(),
+       top=st.sampled_from([0, 1, 5, 20]))
+def test_http_well_formed_openai(fuzz_server, prompt, params, grammar, stream, chat, logprob,
+                                 top):
+    srv, c = fuzz_server
+    body = {"model": "m", **params, **grammar, "stream": stream}
+    if chat:
+        content = prompt if isinstance(prompt, str) else str(prompt)
+        body["messages"] = [{"role": "user", "content": content}]
+        if logprob:
+            body.update(logprobs=True, top_logprobs=top)
+        path = "/v1/chat/completions"
+    else:
+        body["prompt"] = prompt
+        if logprob:
+            body["logprobs"] = top
+        path = "/v1/completions"
+    _well_formed_check(srv, _post(c, path, body), stream)

@@ -2,12 +2,14 @@
 the engine (it passed validation and failed inside the sampler or the seeded generator) or
 answered a plain-text 500 is now served correctly or answered with a 4xx JSON error naming
 the field; after each, /health is 200 and a normal request gets its exact greedy tokens. A
-step that does fail (a request whose parameters were corrupted after validation, sent
-in-process) fails only its batch: those requests get an error, the engine goes on."""
+request whose step work fails (parameters corrupted after validation, sent in-process)
+fails alone and its neighbours get their own output (issue 34); a step that fails as a whole
+(the forward pass) fails only its batch, and the engine goes on."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -19,7 +21,11 @@ from server_testing import start_server, tiny_config
 
 from sloserve import launch
 from sloserve.listen import bind
-from sloserve.runtime.async_engine import MAX_CONSECUTIVE_STEP_FAILURES, StepFailed
+from sloserve.runtime.async_engine import (
+    MAX_CONSECUTIVE_STEP_FAILURES,
+    RequestFailed,
+    StepFailed,
+)
 from sloserve.runtime.engine import Engine
 from sloserve.runtime.request import SamplingParams
 from sloserve.sglang_ext.app import create_app
@@ -146,14 +152,26 @@ def _submit(state, params: SamplingParams) -> BaseException | None:
     return asyncio.run(run())
 
 
-def test_failed_step_fails_its_batch_and_the_engine_goes_on(live, client, reference):
-    before = live.state.aengine.failed_steps
+LONG = {"max_new_tokens": 120, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def long_reference(live) -> list[int]:
+    with live.client() as c:
+        r = c.post("/generate", json={"input_ids": PROMPT, "sampling_params": LONG})
+        assert r.status_code == 200, r.text
+        return r.json()["output_ids"]
+
+
+def test_a_request_whose_rows_fail_fails_alone(live, client, reference, long_reference):
+    """Issue 34: the corrupted request's sampling raises inside the step; it alone fails
+    (RequestFailed), the stream it shared its steps with ends with the tokens it gets alone."""
+    failed_steps, failed = live.state.aengine.failed_steps, live.engine.stats.requests_failed
     events: list[str] = []
     started = threading.Event()
 
     def stream():
-        body = {"input_ids": PROMPT, "stream": True, "sampling_params": {
-            "max_new_tokens": 1000, "ignore_eos": True, "temperature": 0}}
+        body = {"input_ids": PROMPT, "stream": True, "sampling_params": LONG}
         with live.client() as c, c.stream("POST", "/generate", json=body) as r:
             for line in r.iter_lines():
                 if line.startswith("data:"):
@@ -165,41 +183,78 @@ def test_failed_step_fails_its_batch_and_the_engine_goes_on(live, client, refere
     assert started.wait(30)
     err = _submit(live.state, _corrupted())  # joins the running stream's batch
     reader.join(60)
-    assert isinstance(err, StepFailed), err
-    assert live.state.aengine.failed_steps == before + 1
-    # the stream in the failed batch ends with an error event, then [DONE]
+    assert isinstance(err, RequestFailed), err
+    assert live.state.aengine.failed_steps == failed_steps  # no step failed as a whole
+    assert live.engine.stats.requests_failed == failed + 1
     assert events[-1] == "data: [DONE]"
-    assert "step" in json.loads(events[-2][5:])["error"]["message"]
+    last = json.loads(events[-2][5:])
+    assert "error" not in last, last
+    assert last["output_ids"] == long_reference
     assert live.state.aengine.alive
     _normal_request_succeeds(client, reference)
     assert live.wait_idle()["kv_pool"]["used_blocks"] == 0
 
 
-def test_failed_non_streaming_request_is_a_json_500(live, client, reference):
-    # a normal HTTP request joins a batch with a corrupted one: it gets a JSON 500
+def test_a_failing_request_leaves_a_non_streamed_neighbour_its_output(live, client, reference,
+                                                                       long_reference):
+    # a normal HTTP request shares its steps with a corrupted one: it gets its own output
     results: dict = {}
 
     def post():
         with live.client() as c:
-            results["r"] = c.post("/generate", json={"input_ids": PROMPT, "sampling_params": {
-                "max_new_tokens": 1000, "ignore_eos": True, "temperature": 0}})
+            results["r"] = c.post("/generate", json={"input_ids": PROMPT,
+                                                     "sampling_params": LONG})
 
     t = threading.Thread(target=post)
     t.start()
     while live.engine.stats.generated_tokens == 0 or not live.engine.requests:
         t.join(0.01)
-    assert isinstance(_submit(live.state, _corrupted()), StepFailed)
+    err = _submit(live.state, _corrupted())
+    assert isinstance(err, RequestFailed) and "alone" in str(err), err
     t.join(60)
     r = results["r"]
-    assert r.status_code == 500 and "step" in r.json()["message"], r.text
+    assert r.status_code == 200, r.text
+    assert r.json()["output_ids"] == long_reference
     _normal_request_succeeds(client, reference)
+
+
+def test_a_failed_step_fails_its_batch_and_the_engine_goes_on(live, client, reference):
+    """A step that raises as a whole (here the forward pass, once) fails its batch with
+    StepFailed; the engine goes on."""
+    before = live.state.aengine.failed_steps
+    with _forward_raises(live.state, times=1):
+        err = _submit(live.state, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert isinstance(err, StepFailed), err
+    assert live.state.aengine.failed_steps == before + 1
+    assert live.state.aengine.alive
+    _normal_request_succeeds(client, reference)
+
+
+@contextlib.contextmanager
+def _forward_raises(state, times: int):
+    """The target model's forward raises `times` times (a broken device, say), then works."""
+    target = state.engine.parts.target
+    real, left = target.forward, [times]
+
+    def forward(*a, **kw):
+        if left[0] > 0:
+            left[0] -= 1
+            raise RuntimeError("forward failed (test)")
+        return real(*a, **kw)
+
+    target.forward = forward
+    try:
+        yield
+    finally:
+        del target.forward  # the class's method again
 
 
 def _break_for_good(state) -> BaseException | None:
     """MAX_CONSECUTIVE_STEP_FAILURES failed steps in a row; the last request's error."""
-    for i in range(MAX_CONSECUTIVE_STEP_FAILURES):
-        assert state.aengine.alive, i
-        err = _submit(state, _corrupted())
+    with _forward_raises(state, times=10**9):
+        for i in range(MAX_CONSECUTIVE_STEP_FAILURES):
+            assert state.aengine.alive, i
+            err = _submit(state, SamplingParams(max_new_tokens=4, ignore_eos=True))
     return err
 
 

@@ -11,7 +11,7 @@ from sloserve.runtime.constraints.compiler import CompiledGrammar, GrammarCompil
 from sloserve.runtime.constraints.grammar_state import GrammarState
 from sloserve.runtime.constraints.processing import RequestConstraints
 from sloserve.runtime.constraints.spec import grammar_spec
-from sloserve.runtime.request import SamplingParams
+from sloserve.runtime.request import InvalidRequest, SamplingParams
 
 
 class ConstraintFactory:
@@ -40,7 +40,15 @@ class ConstraintFactory:
         """The request's compiled grammar (cached by its text), or None. Thread-safe. Raises
         InvalidRequest naming the field (regex, json_schema, ebnf) when it does not compile."""
         spec = grammar_spec(regex=params.regex, json_schema=params.json_schema, ebnf=params.ebnf)
-        return None if spec is None else self.compiler().compile(spec)
+        if spec is None:
+            return None
+        compiled = self.compiler().compile(spec)
+        if not bool(GrammarState(compiled, max_draft=0).allowed().any()):
+            # e.g. a JSON schema whose $ref loops with no base case: nothing matches it, and
+            # every token would be masked from the first one
+            raise InvalidRequest(spec.source or spec.kind, "admits no output: no token can "
+                                 "start a match (e.g. a $ref that loops without a base case)")
+        return compiled
 
     def build(self, params: SamplingParams, prompt_ids: Sequence[int]) -> RequestConstraints:
         compiled = self.grammar(params)

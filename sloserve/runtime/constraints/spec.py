@@ -16,6 +16,9 @@ from sloserve.runtime.errors import InvalidRequest
 
 GrammarKind = Literal["regex", "json_schema", "ebnf"]
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
+# deeper schemas are refused: xgrammar's compiler recurses on the nesting (no real schema
+# nests this deep; JSON values of the output are not limited by this)
+MAX_SCHEMA_DEPTH = 128
 _FIELDS = ("regex", "json_schema", "ebnf", "response_format")
 
 
@@ -62,13 +65,36 @@ def _schema_text(name: str, schema: Any) -> str:
     if isinstance(schema, str):
         try:
             parsed = json.loads(schema)
-        except json.JSONDecodeError as e:
-            raise InvalidRequest(name, f"is not valid JSON: {e}") from None
+        except RecursionError:
+            raise InvalidRequest(name, "is nested too deeply") from None
+        except ValueError as e:  # malformed, or a number literal of over 4300 digits
+            raise InvalidRequest(name, f"is not valid JSON: {str(e)[:200]}") from None
     else:
         parsed = schema
     if not isinstance(parsed, (dict, bool)):
         raise InvalidRequest(name, f"must be a JSON schema object, got {type(parsed).__name__}")
-    return schema if isinstance(schema, str) else json.dumps(schema)
+    depth = _depth(parsed)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise InvalidRequest(name, f"is nested {depth} levels deep; at most {MAX_SCHEMA_DEPTH}")
+    try:
+        return schema if isinstance(schema, str) else json.dumps(schema)
+    except (RecursionError, ValueError) as e:
+        raise InvalidRequest(name, f"cannot be written as JSON: {type(e).__name__}") from None
+
+
+def _depth(x: Any) -> int:
+    """How deeply lists and objects nest in x (without recursion)."""
+    deepest, stack = 0, [(x, 1)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, dict):
+            x = list(x.values())
+        if isinstance(x, list):
+            deepest = max(deepest, d)
+            if deepest > MAX_SCHEMA_DEPTH:
+                return deepest
+            stack.extend((v, d + 1) for v in x)
+    return deepest
 
 
 def _response_format(rf: Any) -> GrammarSpec | None:
