@@ -44,3 +44,18 @@ def chi2_pvalue(samples: Counter, dist: dict) -> float:
     if exp[-1] <= 0 and obs[-1] > 0:
         return 0.0
     return float(chi2.sf(stat, len(obs) - 1))
+
+
+# chat prompts for the real model's tests (tests/runtime/test_smollm2.py, the SGLang one):
+# code, facts, a summary, copying, explaining, translating, a code fix, a poem
+SMOLLM2_QUESTIONS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "What is the capital of France? Answer in one sentence.",
+    "Summarize in one sentence: The city council met on Tuesday to discuss the new park. "
+    "Residents asked for more trees and a playground. The council agreed to fund both.",
+    "Repeat this list exactly: apples, pears, plums, cherries, grapes, melons.",
+    "Explain photosynthesis to a child.",
+    "Translate into French: The weather is nice today.",
+    "Fix the bug in this code:\ndef add(a, b):\n    return a - b",
+    "Write a haiku about the sea.",
+]

@@ -37,6 +37,9 @@ def main(argv=None) -> Path:
     mode.add_argument("--quick", action="store_true", help="small grid (default on CPU)")
     mode.add_argument("--full", action="store_true", help="full grid (batch up to 64, q 1..9)")
     ap.add_argument("--k-max", type=int, default=8)
+    ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="weights, activations and KV dtype (auto: bfloat16 where the CPU has "
+                   "AVX512-BF16/AMX; the committed CPU profiles are float32)")
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parents[2] / "configs"),
                     help="profiles are written to OUT_DIR/profiles/ (default: the repo's configs/)")
     ap.add_argument("--samples-out", default=None, help="also write the raw samples as JSON here")
@@ -51,7 +54,7 @@ def main(argv=None) -> Path:
 
     eng = Engine(EngineConfig(
         model_path=args.model_path, draft_model_path=args.draft_model_path, drafter=args.drafter or default_drafter(args.model_path),
-        spec_policy="ar", kv_cache_tokens=131072, k_max=args.k_max,
+        dtype=args.dtype, spec_policy="ar", kv_cache_tokens=131072, k_max=args.k_max,
         scheduler=SchedulerConfig(max_running_requests=64, max_step_tokens=8192),
     ))
     full = args.full or (not args.quick and eng.cfg.device != "cpu")

@@ -122,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--drafter", default=None, choices=["model", "ngram"],
                    help="default: model where the target has a draft, else ngram")
     g.add_argument("--k-max", type=int, default=8)
+    g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="weights, activations and KV dtype (auto: bfloat16 where the CPU has "
+                   "AVX512-BF16/AMX; the committed CPU profiles are float32)")
     g.add_argument("--max-running-requests", type=int, default=64)
     g.add_argument("--kv-cache-tokens", type=int, default=65536)
     g.add_argument("--engine-slo", choices=["on", "off"], default="on",
@@ -232,7 +235,7 @@ def engine_config(args: argparse.Namespace):
 
     return EngineConfig(
         model_path=args.model_path, draft_model_path=args.draft_model_path,
-        drafter=args.drafter or default_drafter(args.model_path), k_max=args.k_max, kv_cache_tokens=args.kv_cache_tokens,
+        drafter=args.drafter or default_drafter(args.model_path), k_max=args.k_max, kv_cache_tokens=args.kv_cache_tokens, dtype=args.dtype,
         tpot_slo=args.tpot_slo_ms / 1000.0 if args.engine_slo == "on" else None,
         scheduler=SchedulerConfig(max_running_requests=args.max_running_requests),
     )

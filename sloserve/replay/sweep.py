@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--profile", default=None, help="cost profile (sim)")
     g.add_argument("--acceptance", default=None, help="acceptance file (sim)")
     g.add_argument("--k-max", type=int, default=8)
+    g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="weights, activations and KV dtype (auto: bfloat16 where the CPU has "
+                   "AVX512-BF16/AMX; the committed CPU profiles are float32)")
     g.add_argument("--max-running-requests", type=int, default=64)
     g.add_argument("--kv-cache-tokens", type=int, default=None,
                    help="default: 65536 in-process, 1048576 simulated")
@@ -100,7 +103,7 @@ class Sweep:
             raise SystemExit(f"--default-policy {args.default_policy} is not in --policies")
         kv = args.kv_cache_tokens or (1 << 20 if args.target == "sim" else 65536)
         self.cfg = EngineConfig(
-            k_max=args.k_max, kv_cache_tokens=kv, tpot_slo=None,
+            k_max=args.k_max, kv_cache_tokens=kv, tpot_slo=None, dtype=args.dtype,
             scheduler=SchedulerConfig(max_running_requests=args.max_running_requests))
         self.slo = SloConfig(args.ttft_slo_ms / 1000.0, args.tpot_slo_ms / 1000.0, (1.0,))
         self.t0 = time.time()

@@ -24,7 +24,7 @@ def _set_r2(path, r2: float) -> None:
 def test_quick_run_writes_next_to_an_existing_profile_and_replace_refuses_worse(
         tiny_pair, tmp_path, capsys):
     argv = ["--quick", "--model-path", tiny_pair[0], "--draft-model-path", tiny_pair[1],
-            "--out-dir", str(tmp_path), "--k-max", "4"]
+            "--out-dir", str(tmp_path), "--k-max", "4", "--dtype", "float32"]
     first = main(argv)
     out = capsys.readouterr().out
     assert "timed forwards" in out and out.index("timed forwards") < out.index("sweep 1/")

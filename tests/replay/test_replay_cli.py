@@ -37,7 +37,7 @@ def test_inprocess_replay_end_to_end(tiny_pair, tmp_path):
     argv = ["--synthetic", "poisson", "--arrival-rate", "20", "--num-requests", "10",
             "--input-len", "uniform:8:40", "--output-len", "fixed:12", "--prompts", "synthetic-ids",
             "--vocab-size", "2048", "--id-low", "10", "--target", "inprocess",
-            "--model-path", tiny_pair[0], "--draft-model-path", tiny_pair[1],
+            "--model-path", tiny_pair[0], "--draft-model-path", tiny_pair[1], "--dtype", "float32",
             "--policies", "ar,fixed:3", "--no-progress", "--no-plots", "--out", str(out)]
     assert main(argv) == 0
     report = json.loads((out / "report.json").read_text())

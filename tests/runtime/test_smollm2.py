@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from sloserve_testing import SMOLLM2_QUESTIONS as QUESTIONS
 
 from sloserve.runtime.config import EngineConfig
 from sloserve.runtime.engine import Engine
@@ -27,17 +28,6 @@ from sloserve.runtime.scheduler import SchedulerConfig
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 NEW = 64
-QUESTIONS = [
-    "Write a Python function that returns the n-th Fibonacci number.",
-    "What is the capital of France? Answer in one sentence.",
-    "Summarize in one sentence: The city council met on Tuesday to discuss the new park. "
-    "Residents asked for more trees and a playground. The council agreed to fund both.",
-    "Repeat this list exactly: apples, pears, plums, cherries, grapes, melons.",
-    "Explain photosynthesis to a child.",
-    "Translate into French: The weather is nice today.",
-    "Fix the bug in this code:\ndef add(a, b):\n    return a - b",
-    "Write a haiku about the sea.",
-]
 
 
 @pytest.fixture(scope="module")

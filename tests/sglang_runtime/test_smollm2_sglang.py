@@ -15,23 +15,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from sloserve_testing import SMOLLM2_QUESTIONS as QUESTIONS
 
 from tests.sglang_runtime.test_specserve_server import LaunchedServer, _post
 
 pytestmark = pytest.mark.timeout(2400)
 
 NEW = 64
-QUESTIONS = [
-    "Write a Python function that returns the n-th Fibonacci number.",
-    "What is the capital of France? Answer in one sentence.",
-    "Summarize in one sentence: The city council met on Tuesday to discuss the new park. "
-    "Residents asked for more trees and a playground. The council agreed to fund both.",
-    "Repeat this list exactly: apples, pears, plums, cherries, grapes, melons.",
-    "Explain photosynthesis to a child.",
-    "Translate into French: The weather is nice today.",
-    "Fix the bug in this code:\ndef add(a, b):\n    return a - b",
-    "Write a haiku about the sea.",
-]
 
 
 @pytest.fixture(scope="module")

@@ -37,16 +37,21 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every fp32 CPU nn.Linear in `model` with a PackedLinear; returns how many."""
+def _replace_linears(model: nn.Module, dtype: torch.dtype, wrap) -> int:
+    """Replace every CPU nn.Linear of `dtype` in `model` with wrap(linear); returns how many."""
     n = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if (isinstance(child, nn.Linear) and child.weight.device.type == "cpu"
-                    and child.weight.dtype == torch.float32):
-                setattr(parent, name, PackedLinear(child))
+                    and child.weight.dtype == dtype):
+                setattr(parent, name, wrap(child))
                 n += 1
     return n
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every fp32 CPU nn.Linear in `model` with a PackedLinear; returns how many."""
+    return _replace_linears(model, torch.float32, PackedLinear)
 
 
 # Row-invariant bf16 linears. A greedy speculative step verifies k + 1 rows per request where
@@ -77,11 +82,4 @@ class RowBlockedLinear(nn.Module):
 def block_bf16_linears(model: nn.Module) -> int:
     """Replace every bf16 CPU nn.Linear in `model` with a RowBlockedLinear; returns how many
     (a tied LM head keeps sharing the embedding's weight)."""
-    n = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if (isinstance(child, nn.Linear) and child.weight.device.type == "cpu"
-                    and child.weight.dtype == torch.bfloat16):
-                setattr(parent, name, RowBlockedLinear(child))
-                n += 1
-    return n
+    return _replace_linears(model, torch.bfloat16, RowBlockedLinear)
