@@ -64,6 +64,11 @@ class SamplingParams:
     # added to the logits after the penalties: ((token id, bias), ...) sorted by token; a
     # dict {token: bias} (keys may be decimal strings, as JSON sends them) is normalised
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # with logprobs: these tokens' log-probabilities at every output position too
+    logprob_token_ids: tuple[int, ...] = ()
+    # detokenization: drop special tokens from the text; spaces between special tokens
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -77,6 +82,11 @@ class SamplingParams:
             raise InvalidRequest("stop_token_ids", f"must be a list of integers, got {ids!r:.40}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        ids = self.logprob_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
+            raise InvalidRequest("token_ids_logprob", f"must be a list of token ids, got "
+                                 f"{ids!r:.40}")
+        object.__setattr__(self, "logprob_token_ids", tuple(int(t) for t in ids))
         if isinstance(self.json_schema, (dict, bool)):
             object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
         self.validate()
@@ -106,6 +116,11 @@ class SamplingParams:
             v = getattr(self, name)
             if not (_is_real(v) or (v is None and name.endswith("_slo"))):
                 bad(name, f"must be a number, got {v!r:.40}")
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, f"must be true or false, got {getattr(self, name)!r:.40}")
+        if self.logprob_token_ids and self.logprobs is None:
+            bad("token_ids_logprob", "needs logprobs (return_logprob)")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", f"must be true or false, got {self.ignore_eos!r:.40}")
         if not _is_int(self.max_new_tokens):
