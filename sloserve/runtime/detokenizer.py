@@ -18,20 +18,24 @@ class DetokState:
     prefix_offset: int = 0
     read_offset: int = 0
     text: str = ""
+    # the request's decoding options (SGLang's and vLLM's sampling parameters)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
 
 class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def _decode(self, ids: list[int], st: DetokState) -> str:
+        kw = {} if st.spaces_between_special_tokens else {"spaces_between_special_tokens": False}
+        return self.tokenizer.decode(ids, skip_special_tokens=st.skip_special_tokens, **kw)
 
     def push(self, st: DetokState, token: int) -> str:
         """Append one token; return the newly stable text (maybe empty)."""
         st.ids.append(token)
-        prefix = self._decode(st.ids[st.prefix_offset : st.read_offset])
-        full = self._decode(st.ids[st.prefix_offset :])
+        prefix = self._decode(st.ids[st.prefix_offset : st.read_offset], st)
+        full = self._decode(st.ids[st.prefix_offset :], st)
         held = len(st.ids) - st.read_offset
         if len(full) > len(prefix) and (not full.endswith("\ufffd") or held > _MAX_HELD):
             new = full[len(prefix) :]
@@ -42,8 +46,8 @@ class Detokenizer:
 
     def flush(self, st: DetokState) -> str:
         """At the end of a request: emit whatever is held back."""
-        prefix = self._decode(st.ids[st.prefix_offset : st.read_offset])
-        full = self._decode(st.ids[st.prefix_offset :])
+        prefix = self._decode(st.ids[st.prefix_offset : st.read_offset], st)
+        full = self._decode(st.ids[st.prefix_offset :], st)
         new = full[len(prefix) :] if full.startswith(prefix) else ""
         st.read_offset = len(st.ids)
         st.text += new

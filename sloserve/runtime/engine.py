@@ -114,6 +114,10 @@ class Engine:
         else:
             ids = [int(t) for t in prompt]
         validate_prompt(ids, self.parts.target.cfg.vocab_size, self.max_context)
+        bad = [t for t in params.logprob_token_ids if t >= self.parts.target.cfg.vocab_size]
+        if bad:
+            raise InvalidRequest("token_ids_logprob", f"token id {bad[0]} outside the "
+                                 f"vocabulary [0, {self.parts.target.cfg.vocab_size})")
         self.check_fits(len(ids), params.max_new_tokens)
         self._check_queue()
         rid = rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
@@ -123,7 +127,7 @@ class Engine:
         if params.constrained:
             req.constraints = self.constraints.build(params, ids)
         if params.logprobs is not None:
-            req.logprobs = TokenLogprobs(params.logprobs)
+            req.logprobs = TokenLogprobs(params.logprobs, token_ids=params.logprob_token_ids)
         self.requests[rid] = req
         self.runner.add(req)
         return req
@@ -212,9 +216,7 @@ class Engine:
     def _output(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
         lp = None
         if req.logprobs is not None:  # this step's entries: the last len(new_ids)
-            n = len(req.logprobs.logprobs)
-            lp = TokenLogprobs(req.logprobs.k, req.logprobs.logprobs[n - len(new_ids):],
-                               req.logprobs.top[n - len(new_ids):] if req.logprobs.k else [])
+            lp = req.logprobs.tail(len(new_ids))
         return RequestOutput(
             rid=req.rid,
             new_token_ids=new_ids,

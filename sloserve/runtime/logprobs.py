@@ -31,14 +31,25 @@ class TokenLogprobs:
     k: int
     logprobs: list[float] = field(default_factory=list)  # [n]
     top: list[list[tuple[int, float]]] = field(default_factory=list)  # [n][k] (token, logprob)
+    # token_ids_logprob: these tokens' log-probabilities at every output position
+    token_ids: tuple[int, ...] = ()
+    id_logprobs: list[list[float]] = field(default_factory=list)  # [n][len(token_ids)]
 
     def head(self, n: int) -> TokenLogprobs:
         """The first n tokens' entries."""
-        return TokenLogprobs(self.k, self.logprobs[:n], self.top[:n])
+        return TokenLogprobs(self.k, self.logprobs[:n], self.top[:n], self.token_ids,
+                             self.id_logprobs[:n])
+
+    def tail(self, n: int) -> TokenLogprobs:
+        """The last n tokens' entries."""
+        lo = len(self.logprobs) - n
+        return TokenLogprobs(self.k, self.logprobs[lo:], self.top[lo:] if self.k else [],
+                             self.token_ids, self.id_logprobs[lo:] if self.token_ids else [])
 
     def extend(self, other: TokenLogprobs) -> None:
         self.logprobs.extend(other.logprobs)
         self.top.extend(other.top)
+        self.id_logprobs.extend(other.id_logprobs)
 
 
 def token_logprobs(
@@ -46,6 +57,7 @@ def token_logprobs(
     tokens: Sequence[int],  # [n] the emitted tokens
     temperature: float,
     k: int,
+    token_ids: Sequence[int] = (),
 ) -> TokenLogprobs:
     """The log-probabilities of the emitted tokens and the top k of each row."""
     x = logits[: len(tokens)].float()
@@ -55,9 +67,11 @@ def token_logprobs(
     if temperature >= GREEDY_TEMPERATURE and temperature != 1.0:
         x = (x / min(temperature, MAX_TEMPERATURE)).clamp_(max=F32_MAX)
     lp = torch.log_softmax(x, dim=-1).nan_to_num_(nan=_LOWEST).clamp_(min=_LOWEST)  # [n, V]
-    out = TokenLogprobs(k)
+    out = TokenLogprobs(k, token_ids=tuple(token_ids))
     out.logprobs = lp.gather(1, torch.tensor(list(tokens))[:, None])[:, 0].tolist()
     if k > 0:
         vals, idx = lp.topk(min(k, lp.shape[-1]), dim=-1)
         out.top = [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+    if token_ids:
+        out.id_logprobs = lp[:, list(token_ids)].tolist()
     return out

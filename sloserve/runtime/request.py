@@ -40,6 +40,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0 = off
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability (0 = off)
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -60,6 +61,14 @@ class SamplingParams:
     # distribution it was sampled from (before top-k / top-p), and the k most likely tokens
     logprobs: int | None = None
     n: int = 1  # independent samples of the prompt; a Request is one (expand_samples)
+    # added to the logits after the penalties: ((token id, bias), ...) sorted by token; a
+    # dict {token: bias} (keys may be decimal strings, as JSON sends them) is normalised
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # with logprobs: these tokens' log-probabilities at every output position too
+    logprob_token_ids: tuple[int, ...] = ()
+    # detokenization: drop special tokens from the text; spaces between special tokens
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -72,6 +81,12 @@ class SamplingParams:
         if not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids):
             raise InvalidRequest("stop_token_ids", f"must be a list of integers, got {ids!r:.40}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        ids = self.logprob_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
+            raise InvalidRequest("token_ids_logprob", f"must be a list of token ids, got "
+                                 f"{ids!r:.40}")
+        object.__setattr__(self, "logprob_token_ids", tuple(int(t) for t in ids))
         if isinstance(self.json_schema, (dict, bool)):
             object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
         self.validate()
@@ -90,17 +105,22 @@ class SamplingParams:
         """Whether decoding needs a RequestConstraints (a grammar, a penalty or
         min_new_tokens): processing beyond temperature / top-k / top-p."""
         return (self.regex is not None or self.json_schema is not None or self.ebnf is not None
-                or self.min_new_tokens > 0 or self.penalties.penalizes)
+                or self.min_new_tokens > 0 or self.penalties.penalizes or bool(self.logit_bias))
 
     def validate(self) -> None:
         def bad(name, msg):
             raise InvalidRequest(name, msg)
 
         # types first: the in-process API gets whatever a caller passes
-        for name in ("temperature", "top_p", "tpot_slo", "ttft_slo"):
+        for name in ("temperature", "top_p", "min_p", "tpot_slo", "ttft_slo"):
             v = getattr(self, name)
             if not (_is_real(v) or (v is None and name.endswith("_slo"))):
                 bad(name, f"must be a number, got {v!r:.40}")
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, f"must be true or false, got {getattr(self, name)!r:.40}")
+        if self.logprob_token_ids and self.logprobs is None:
+            bad("token_ids_logprob", "needs logprobs (return_logprob)")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", f"must be true or false, got {self.ignore_eos!r:.40}")
         if not _is_int(self.max_new_tokens):
@@ -111,6 +131,8 @@ class SamplingParams:
             bad("temperature", f"must be >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", f"must be in [0, 1], got {self.min_p}")
         if not _is_int(self.top_k) or self.top_k < -1:
             bad("top_k", f"must be -1 (off) or a positive integer, got {self.top_k!r}")
         if self.seed is not None and not (
@@ -133,6 +155,32 @@ class SamplingParams:
             bad("logprobs", f"must be None or an integer >= 0, got {self.logprobs!r}")
         if not _is_int(self.n) or self.n < 1:
             bad("n", f"must be an integer >= 1, got {self.n!r}")
+
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a bias: [-100, 100]
+
+
+def _logit_bias(bias) -> tuple[tuple[int, float], ...]:
+    """logit_bias as ((token id, bias), ...) sorted by token id; InvalidRequest naming
+    logit_bias when a key is no token id or a value no number in [-100, 100]. The vocabulary
+    bound is the engine's check (RequestConstraints)."""
+    if bias is None:
+        return ()
+    items = bias.items() if isinstance(bias, dict) else bias
+    out: dict[int, float] = {}
+    try:
+        for tok, val in items:
+            t = int(tok) if isinstance(tok, str) and tok.strip().isdigit() else tok
+            if not _is_int(t) or t < 0:
+                raise InvalidRequest("logit_bias", f"keys must be token ids, got {tok!r:.40}")
+            if not (_is_real(val) and math.isfinite(val) and abs(val) <= MAX_LOGIT_BIAS):
+                raise InvalidRequest("logit_bias", f"values must be numbers in [-100, 100], "
+                                     f"got {val!r:.40}")
+            out[int(t)] = float(val)
+    except (TypeError, ValueError):
+        raise InvalidRequest("logit_bias", f"must map token ids to numbers, got "
+                             f"{bias!r:.60}") from None
+    return tuple(sorted(out.items()))
 
 
 def expand_samples(params: SamplingParams) -> list[SamplingParams]:

@@ -18,21 +18,37 @@ MAX_TEMPERATURE = 1e6  # softmax(logits / 1e6) is uniform to float32 precision
 
 def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """logits: [N, V] float32, one row per entry of params (all with temperature > 0).
-    Returns probs [N, V]: softmax(logits / T), then top-k, then top-p, renormalised."""
+    Returns probs [N, V]: softmax(logits / T), then top-k, top-p, min-p, renormalised."""
     vocab = logits.shape[-1]
+    min_p = [p.min_p for p in params]
     return processed_distribution(
         logits, torch.tensor([min(p.temperature, MAX_TEMPERATURE) for p in params],
                              dtype=torch.float64),
         torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params]),
-        torch.tensor([p.top_p for p in params], dtype=torch.float64))
+        torch.tensor([p.top_p for p in params], dtype=torch.float64),
+        torch.tensor(min_p, dtype=torch.float64) if any(min_p) else None)
 
 
 def processed_distribution(logits: torch.Tensor, temperature: torch.Tensor,
-                           top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+                           top_k: torch.Tensor, top_p: torch.Tensor,
+                           min_p: torch.Tensor | None = None) -> torch.Tensor:
     """The one processed-distribution rule of both engines (the built-in sampler and the
     SPECSERVE worker inside SGLang): logits [N, V]; temperature [N] > 0, top_k [N] (<= 0 or
-    >= V: no top-k; 1: the argmax only), top_p [N]. Returns [N, V] in logits' dtype:
-    softmax(logits / T), then top-k, then top-p, renormalised."""
+    >= V: no top-k; 1: the argmax only), top_p [N], min_p [N] in [0, 1] or None (off).
+    Returns [N, V] in logits' dtype: softmax(logits / T), then top-k, then top-p, then min-p
+    (SGLang's order: tokens below min_p x the top token's probability dropped), renormalised."""
+    probs = _top_k_top_p(logits, temperature, top_k, top_p)
+    if min_p is None or not bool((min_p > 0).any()):
+        return probs
+    # top-k / top-p only zero tokens and renormalise: the ratio to the top token is that of
+    # the softmax, and the top token always stays
+    floor = min_p.to(probs.dtype).to(probs.device)[:, None] * probs.amax(-1, keepdim=True)
+    out = torch.where(probs < floor, 0.0, probs)
+    return out / out.sum(-1, keepdim=True)
+
+
+def _top_k_top_p(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                 top_p: torch.Tensor) -> torch.Tensor:
     vocab = logits.shape[-1]
     # every value is brought into the range its tensor holds before it becomes one: a
     # temperature above MAX_TEMPERATURE is uniform sampling already (and inf would turn a

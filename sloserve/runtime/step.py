@@ -99,7 +99,9 @@ class StepRunner:
 
     # ----- request lifecycle
     def add(self, req: Request) -> None:
-        self._detok[req.rid] = DetokState()
+        self._detok[req.rid] = DetokState(
+            skip_special_tokens=req.params.skip_special_tokens,
+            spaces_between_special_tokens=req.params.spaces_between_special_tokens)
         self._constrained += req.constraints is not None
         self.stats.prompt_tokens += len(req.prompt_ids)
         self.scheduler.add(req)
@@ -229,7 +231,7 @@ class StepRunner:
         lp = None
         if r.logprobs is not None:  # the emitted tokens' rows, processed as sampled
             lp = token_logprobs(pr.logits if pr is not None else logits, emitted,
-                                r.params.temperature, r.logprobs.k)
+                                r.params.temperature, r.logprobs.k, r.logprobs.token_ids)
         return emitted, lp
 
     def fail(self, r: Request, error: BaseException) -> None:

@@ -21,6 +21,7 @@ from sloserve.sglang_ext.protocol import (
     Item,
     finish_reason_json,
     normalize,
+    stream_interval,
     to_engine_params,
 )
 from sloserve.sglang_ext.serving import (
@@ -53,8 +54,12 @@ async def prepare(state: ServingState, item: Item, batched: bool) -> Job:
     if sp.max_new_tokens is not None and max_new > 0:
         state.check_context(len(ids), max_new, "sampling_params.max_new_tokens")
     state.check_fits(len(ids), max(max_new, 1), field, "sampling_params.max_new_tokens")
+    if item.token_ids_logprob and not item.return_logprob:
+        raise APIError.bad("token_ids_logprob", "needs return_logprob: true")
+    stream_interval(sp.stream_interval, "sampling_params.stream_interval")
     params = to_engine_params(sp, max_new_tokens=max(max_new, 1),
-                              logprobs=item.top_logprobs_num if item.return_logprob else None)
+                              logprobs=item.top_logprobs_num if item.return_logprob else None,
+                              logprob_token_ids=item.token_ids_logprob)
     if item.return_logprob and item.logprob_start_len > len(ids):
         raise APIError.bad("logprob_start_len", f"{item.logprob_start_len} is beyond the "
                            f"prompt's {len(ids)} tokens")
@@ -140,13 +145,20 @@ async def _add_logprobs(state: ServingState, job: Job, prog: Progress | None, me
                     for r in rows]
         meta["input_top_logprobs"] = tops(in_top)
         meta["output_top_logprobs"] = tops(out_top)
+    if it.token_ids_logprob:  # the asked tokens' values at every output position (SGLang's
+        # output_token_ids_logprobs; prompt positions are not scored for them: null)
+        ids = list(it.token_ids_logprob)
+        rows = lp.id_logprobs if lp is not None else []
+        meta["input_token_ids_logprobs"] = None
+        meta["output_token_ids_logprobs"] = [triples(r, ids, tok, with_text) for r in rows]
 
 
 async def run_job(state: ServingState, job: Job) -> dict:
     """A non-streamed answer: {"text", "output_ids", "meta_info"}."""
     prog = None
     if job.params is not None:
-        async with aclosing(state.run(job.ids, job.params, job.item.rid)) as stream:
+        async with aclosing(state.run(job.ids, job.params, job.item.rid,
+                                  stream_interval(job.item.sp.stream_interval, ''))) as stream:
             prog = await last_of(stream)
     meta = meta_info(job, prog, final=True)
     if job.item.return_logprob:
@@ -161,7 +173,8 @@ async def stream_job(state: ServingState, job: Job, batched: bool) -> AsyncItera
     if job.params is None:
         yield {**await run_job(state, job), **index}
         return
-    async with aclosing(state.run(job.ids, job.params, job.item.rid)) as stream:
+    async with aclosing(state.run(job.ids, job.params, job.item.rid,
+                                  stream_interval(job.item.sp.stream_interval, ''))) as stream:
         async for prog in stream:
             if not prog.last.new_token_ids and not prog.finished:
                 continue

@@ -20,6 +20,7 @@ from sloserve.runtime.request import SamplingParams, expand_samples
 from sloserve.sglang_ext.errors import APIError, parse_body
 from sloserve.sglang_ext.openai_logprobs import Entries, chat_logprobs, completion_logprobs
 from sloserve.sglang_ext.openai_protocol import ChatCompletionRequest, CompletionRequest
+from sloserve.sglang_ext.protocol import stream_interval
 from sloserve.sglang_ext.serving import Progress, ServingState, merge, until_disconnect
 
 router = APIRouter(prefix="/v1")
@@ -165,7 +166,8 @@ async def _respond(request: Request, st: ServingState, body, jobs: list[Job], ch
         opts = body.stream_options
         usage = ("every" if opts and opts.continuous_usage_stats
                  else "last" if opts and opts.include_usage else None)
-        events = _stream(st, jobs, head, chat, usage, k, echoed)
+        events = _stream(st, jobs, head, chat, usage, k, echoed,
+                         stream_interval(body.stream_interval, "stream_interval"))
         return StreamingResponse(events, media_type="text/event-stream")
     progs: list[Progress | None] = [None] * len(jobs)
 
@@ -201,8 +203,8 @@ def _sse(obj) -> bytes:
 
 
 async def _stream(st: ServingState, jobs: list[Job], head: dict, chat: bool,
-                  usage: str | None, k: int | None, echoed: dict[int, Entries]
-                  ) -> AsyncIterator[bytes]:
+                  usage: str | None, k: int | None, echoed: dict[int, Entries],
+                  interval: int = 1) -> AsyncIterator[bytes]:
     """usage: None; "last" (include_usage: a final chunk with the usage); "every"
     (continuous_usage_stats: the usage so far in every chunk too, as vLLM and SGLang)."""
     head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
@@ -237,7 +239,7 @@ async def _stream(st: ServingState, jobs: list[Job], head: dict, chat: bool,
             elif job.echo:
                 yield chunk(job.index, job.echo, None,
                             logprobs(job.index, echoed.get(job.index, Entries())))
-        runs = [st.run(j.ids, j.params, None) for j in jobs]
+        runs = [st.run(j.ids, j.params, None, interval) for j in jobs]
         async with aclosing(merge(runs)) as merged:
             async for i, prog in merged:
                 progs[i] = prog

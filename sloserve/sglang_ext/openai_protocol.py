@@ -1,11 +1,12 @@
 """OpenAI-compatible request bodies (/v1/completions, /v1/chat/completions).
 
-Honoured: `n`, `presence_penalty`, `frequency_penalty`, `response_format` (`json_object`,
+Honoured: `n`, `presence_penalty`, `frequency_penalty`, `logit_bias`, `response_format` (`json_object`,
 `json_schema`), completions' `logprobs` and `echo`, chat's `logprobs` / `top_logprobs`,
 `stream_options.continuous_usage_stats`. Fields the server knows but cannot honour are
 accepted only at their neutral value (else a 400 naming them); unknown fields are accepted and
 ignored (logged at debug level), as SGLang's and vLLM's OpenAI servers do. Extensions, SGLang's names (send them with the official client's
-`extra_body`): `top_k`, `min_tokens`, `repetition_penalty`, `regex`, `json_schema`, `ebnf`,
+`extra_body`): `top_k`, `min_p`, `min_tokens`, `skip_special_tokens`,
+`spaces_between_special_tokens`, `stream_interval`, `repetition_penalty`, `regex`, `json_schema`, `ebnf`,
 `ignore_eos`, `stop_token_ids`, `no_stop_trim`, and the per-request SLOs `tpot_slo` /
 `ttft_slo` in seconds.
 """
@@ -19,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sloserve.runtime.constraints.spec import GrammarSpec, grammar_spec
 from sloserve.runtime.request import InvalidRequest, SamplingParams
 from sloserve.sglang_ext.errors import APIError
+from sloserve.sglang_ext.protocol import stream_interval
 from sloserve.slo import request_slos
 
 # unknown keys are kept aside (model_extra), logged and ignored
@@ -63,18 +65,34 @@ class _Sampling(BaseModel):
     tpot_slo: float | None = None
     ttft_slo: float | None = None
     custom_params: dict[str, Any] | None = None  # SGLang's spelling: only the SLO keys
+    min_p: float = 0.0
+    spaces_between_special_tokens: bool = True
+    stream_interval: int | None = None  # a chunk every this many tokens (None: 1)
     # SGLang's extensions that sglang-router sends at their defaults
     skip_special_tokens: bool = True
     return_hidden_states: bool = False
+    # SGLang's extensions that change the output and are not served here: known, so that a
+    # value off the default is a 400 rather than silently dropped as an unknown key
+    stop_regex: str | list[str] | None = None
+    structural_tag: Any = None
+    lora_path: Any = None
+    custom_logit_processor: Any = None
+    token_ids_logprob: Any = None
     # no reasoning parser runs here: there is no reasoning text to separate, either way
     separate_reasoning: bool = True
     stream_reasoning: bool = True
 
     def _check_neutral(self, extra: dict[str, tuple[Any, tuple, str]]) -> None:
         checks = {
-            "logit_bias": (self.logit_bias, (None, {}), "logit_bias is not supported"),
-            "skip_special_tokens": (self.skip_special_tokens, (True,),
-                                    "special tokens are always skipped in the output text"),
+            "stop_regex": (self.stop_regex, (None, "", []), "stop_regex is not supported; use "
+                           "stop strings"),
+            "structural_tag": (self.structural_tag, (None,), "structural_tag is not supported; "
+                               "use response_format, regex, json_schema or ebnf"),
+            "lora_path": (self.lora_path, (None,), "LoRA adapters are not supported"),
+            "custom_logit_processor": (self.custom_logit_processor, (None,),
+                                       "custom_logit_processor is not supported"),
+            "token_ids_logprob": (self.token_ids_logprob, (None, []), "token_ids_logprob is "
+                                  "served on /generate only"),
             "return_hidden_states": (self.return_hidden_states, (False,),
                                      "return_hidden_states is not supported"),
             "custom_params": (request_slos(self)["custom_params"], (None,),
@@ -84,6 +102,7 @@ class _Sampling(BaseModel):
         for name, (value, ok, why) in checks.items():
             if value not in ok:
                 raise APIError.bad(name, f"{why} (got {value!r})")
+        stream_interval(self.stream_interval, "stream_interval")
 
     def grammar(self) -> GrammarSpec | None:
         """The output constraint (regex, json_schema, ebnf or response_format); 400 naming
@@ -113,7 +132,9 @@ class _Sampling(BaseModel):
                 presence_penalty=self.presence_penalty or 0.0,
                 repetition_penalty=(1.0 if self.repetition_penalty is None
                                     else self.repetition_penalty),
-                logprobs=logprobs, n=self.n, **text,
+                logprobs=logprobs, n=self.n, min_p=self.min_p, logit_bias=self.logit_bias,
+                skip_special_tokens=self.skip_special_tokens,
+                spaces_between_special_tokens=self.spaces_between_special_tokens, **text,
             )
         except InvalidRequest as e:
             name = _OPENAI_NAMES.get(e.field, e.field)
@@ -208,9 +229,6 @@ class ChatCompletionRequest(_Sampling):
             "continue_final_message": (self.continue_final_message, (False,),
                                        "continue_final_message is not supported"),
         })
-        if self.max_tokens is not None and self.max_completion_tokens is not None:
-            raise APIError.bad("max_completion_tokens", "give max_tokens or "
-                               "max_completion_tokens, not both")
 
     @property
     def logprobs_k(self) -> int | None:
@@ -218,4 +236,7 @@ class ChatCompletionRequest(_Sampling):
 
     @property
     def max_new(self) -> int | None:
-        return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
+        """max_completion_tokens, else the deprecated max_tokens (both given: the former, as
+        vLLM and SGLang take it)."""
+        return self.max_tokens if self.max_completion_tokens is None else \
+            self.max_completion_tokens

@@ -61,23 +61,21 @@ class SGLangSamplingParams(BaseModel):
     seed: int | None = None  # alias of sampling_seed
     tpot_slo: float | None = None  # seconds per output token this request asks for
     ttft_slo: float | None = None  # seconds to the first token
+    stream_interval: int | None = None  # stream a chunk every this many tokens (None: 1)
 
 
 # (key, neutral value(s), why not) for keys accepted only at their neutral value
 _NEUTRAL: list[tuple[str, tuple, str]] = [
-    ("min_p", (0.0,), "min_p sampling is not supported (must be 0)"),
     ("structural_tag", (None,), "constrained decoding (structural_tag) is not supported; use "
      "regex, json_schema or ebnf"),
     ("stop_regex", (None, "", []), "stop_regex is not supported; use stop strings"),
-    ("logit_bias", (None, {}), "logit_bias is not supported"),
     ("custom_params", (None, {}), "custom_params is not supported (but for tpot_slo, ttft_slo)"),
-    ("skip_special_tokens", (True,), "special tokens are always skipped in the output text"),
 ]
 
 
 def to_engine_params(
     sp: SGLangSamplingParams, *, max_new_tokens: int, logprobs: int | None = None,
-    prefix: str = "sampling_params.",
+    prefix: str = "sampling_params.", logprob_token_ids: list[int] | None = None,
 ) -> SamplingParams:
     """Engine sampling parameters; 400 naming the key for unsupported or out-of-range values.
     `max_new_tokens` is the resolved (positive) token budget; `logprobs`: None, or the number
@@ -99,10 +97,24 @@ def to_engine_params(
             min_new_tokens=sp.min_new_tokens, frequency_penalty=sp.frequency_penalty,
             presence_penalty=sp.presence_penalty, repetition_penalty=sp.repetition_penalty,
             regex=sp.regex, json_schema=sp.json_schema, ebnf=sp.ebnf, logprobs=logprobs,
-            n=sp.n,
+            n=sp.n, min_p=sp.min_p, logit_bias=sp.logit_bias,
+            skip_special_tokens=sp.skip_special_tokens,
+            spaces_between_special_tokens=sp.spaces_between_special_tokens,
+            logprob_token_ids=tuple(logprob_token_ids or ()),
         )
     except InvalidRequest as e:
+        if e.field == "token_ids_logprob":
+            raise from_invalid(e, "") from None
         raise from_invalid(e, prefix) from None
+
+
+def stream_interval(value: int | None, name: str) -> int:
+    """A request's stream_interval: None is the default (1); else an integer >= 1."""
+    if value is None:
+        return 1
+    if value < 1:
+        raise APIError.bad(name, f"must be an integer >= 1 or null, got {value}")
+    return value
 
 
 class GenerateRequest(BaseModel):
@@ -124,7 +136,7 @@ class GenerateRequest(BaseModel):
     model: str | None = None  # a router's hint (smg sends "unknown"); one model is served here
     # SGLang features this server lacks: accepted only at their neutral value (null, false, 0),
     # since SGLang's clients send some of them by default (e.g. bench_serving's lora_path)
-    token_ids_logprob: Any = None
+    token_ids_logprob: list[int] | list[list[int]] | None = None
     image_data: Any = None
     video_data: Any = None
     audio_data: Any = None
@@ -169,6 +181,7 @@ class Item:
     logprob_start_len: int  # -1: no prompt logprobs
     top_logprobs_num: int
     return_text: bool  # token texts in the logprob entries
+    token_ids_logprob: list[int] | None = None  # these tokens' logprobs at every position
 
 
 def _per_item(value, n: int, default, name: str, batched: bool) -> list:
@@ -213,8 +226,14 @@ def normalize(req: GenerateRequest) -> tuple[list[Item], bool]:
     start = _per_item(req.logprob_start_len, n, -1, "logprob_start_len", batched)
     top = _per_item(req.top_logprobs_num, n, 0, "top_logprobs_num", batched)
     rids = [r if r is not None else uuid.uuid4().hex for r in rids]
+    ids_lp = req.token_ids_logprob
+    per_prompt = ids_lp is not None and bool(ids_lp) and isinstance(ids_lp[0], list)
+    if per_prompt and not batched:
+        raise APIError.bad("token_ids_logprob", "must be a list of token ids for one prompt")
+    ids_lp = _per_item(ids_lp if per_prompt else None, n, ids_lp or None, "token_ids_logprob",
+                       batched)
     items = [Item(i, prompts[i], sps[i], rids[i], want[i], start[i], top[i],
-                  req.return_text_in_logprobs) for i in range(n)]
+                  req.return_text_in_logprobs, ids_lp[i] or None) for i in range(n)]
     for it in items:
         if it.logprob_start_len < -1:
             raise APIError.bad("logprob_start_len", f"must be >= -1, got {it.logprob_start_len}")

@@ -61,7 +61,8 @@ class Progress:
         self.last = out
         if out.new_logprobs is not None:
             if self.logprobs is None:
-                self.logprobs = TokenLogprobs(out.new_logprobs.k)
+                self.logprobs = TokenLogprobs(out.new_logprobs.k,
+                                              token_ids=out.new_logprobs.token_ids)
             self.logprobs.extend(out.new_logprobs)
         if (out.finished and out.finish_reason == "stop" and isinstance(out.matched_stop, str)
                 and not self.keep_stop):
@@ -226,19 +227,25 @@ class ServingState:
                 err = APIError.bad(field_name, err.message.split(": ", 1)[-1])
             raise err from None
 
-    async def run(self, ids: list[int], params: SamplingParams, rid: str | None
-                  ) -> AsyncIterator[Progress]:
-        """Submit one request; yields its Progress after every engine step that touched it.
+    async def run(self, ids: list[int], params: SamplingParams, rid: str | None,
+                  stream_interval: int = 1) -> AsyncIterator[Progress]:
+        """Submit one request; yields its Progress after every engine step that touched it
+        (stream_interval > 1: on the first token, then once at least that many more tokens
+        came, and at the end; Progress is cumulative, so a skipped one loses nothing).
         Raises APIError (400) before the first yield when the engine rejects the request.
         Leaving early (client gone, cancellation) aborts it and frees its KV blocks."""
         prog = Progress(rid=rid or "", prompt_tokens=len(ids), keep_stop=params.no_stop_trim)
         gen = self.aengine.generate(ids, params, rid)
+        shown = 0  # output tokens in the last Progress yielded
         try:
             async for out in gen:
                 prog.rid = out.rid
                 prog.add(out)
                 if out.finished:
                     self._observe(prog, params)
+                elif shown and len(prog.output_ids) - shown < stream_interval:
+                    continue
+                shown = len(prog.output_ids)
                 yield prog
         except InvalidRequest as e:
             raise from_invalid(e) from None

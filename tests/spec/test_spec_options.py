@@ -1,5 +1,5 @@
 """#19 acceptance 2 (greedy): with each sampling option - a regex, a JSON schema, an EBNF
-grammar, penalties, min_new_tokens, logprobs, stop trimming - greedy output with speculation
+grammar, penalties, logit_bias, min_new_tokens, logprobs, stop trimming - greedy output with speculation
 (fixed k and specserve; draft model and n-gram) equals plain greedy output token for token; the
 draft model never proposes a token the grammar forbids, and the controller sees the processed
 confidences."""
@@ -33,6 +33,8 @@ OPTIONS = {
     "logprobs": dict(logprobs=3),
     "no_stop_trim": dict(no_stop_trim=True, stop=("e",)),
     "everything": dict(regex=r"[a-z ]+", min_new_tokens=10, logprobs=2, **PENALTIES),
+    # logit_bias is part of the processed rows both models' tokens are compared on (#33)
+    "logit_bias": dict(logit_bias={"300": 4.0, 301: 4.0, 77: -100.0}, min_p=0.2, logprobs=2),
 }
 N_NEW = 24
 
@@ -126,6 +128,9 @@ def test_options_shape_the_output(reference):
     stopped = [o for o in reference["no_stop_trim"] if len(o["ids"]) < N_NEW]
     assert stopped and all("e" in o["text"] for o in stopped)  # the stop string is kept
     assert all(len(o["ids"]) >= 10 for o in reference["everything"])
+    biased = [t for o in reference["logit_bias"] for t in o["ids"]]
+    assert biased.count(300) + biased.count(301) > \
+        sum(o["ids"].count(300) + o["ids"].count(301) for o in reference["logprobs"])
 
 
 def test_controller_sees_processed_confidences(tiny_pair, prompts, monkeypatch):

@@ -24,12 +24,14 @@ PROMPT = [3, 7, 1, 12, 5]
 PARAMS = dict(max_new_tokens=3, temperature=0.9, top_k=4, regex="(w1|w2|w3|w4)+",
               min_new_tokens=2, frequency_penalty=1.0, presence_penalty=0.6,
               repetition_penalty=1.8)
+# #33: min_p and logit_bias are part of the processed distribution too
+PARAMS_MIN_P = {**PARAMS, "min_p": 0.3, "logit_bias": {2: 1.5, 4: -0.7}}
 N = 1200  # p-values here: correct 0.2-0.3, stale verify rows ~1e-165 (at 800)
 
 
-def _exact(engine, target) -> dict[tuple[int, ...], float]:
-    """P(output) under plain sampling with PARAMS: the product of each token's processed p."""
-    params = SamplingParams(**PARAMS)
+def _exact(engine, target, kw=PARAMS) -> dict[tuple[int, ...], float]:
+    """P(output) under plain sampling with kw: the product of each token's processed p."""
+    params = SamplingParams(**kw)
     dist: dict[tuple[int, ...], float] = {}
 
     def expand(prefix: tuple[int, ...], prob: float) -> None:
@@ -49,10 +51,10 @@ def _exact(engine, target) -> dict[tuple[int, ...], float]:
     return dist
 
 
-def _samples(engine) -> Counter:
+def _samples(engine, kw=PARAMS) -> Counter:
     out: Counter = Counter()
     for lo in range(0, N, 200):
-        sps = [SamplingParams(**PARAMS, seed=50_000 + i) for i in range(lo, min(N, lo + 200))]
+        sps = [SamplingParams(**kw, seed=50_000 + i) for i in range(lo, min(N, lo + 200))]
         out.update(tuple(r["output_ids"]) for r in engine.generate([PROMPT] * len(sps), sps))
     return out
 
@@ -104,3 +106,38 @@ def test_constraints_build_for_the_small_pair(make_engine, small_vocab_pair):
     assert isinstance(rc, RequestConstraints)
     p = rc.target(torch.zeros(1, 16), []).probs[0]
     assert p.nonzero().flatten().tolist() == [1, 2, 3, 4]
+
+
+def test_speculative_sampling_keeps_min_p_and_logit_bias(make_engine, small_vocab_pair):
+    paths, target = small_vocab_pair
+    eng = _engine(make_engine, paths)
+    exact = _exact(eng, target, PARAMS_MIN_P)
+    assert abs(sum(exact.values()) - 1.0) < 1e-6
+    assert len(exact) < len(_exact(eng, target)), "min_p must drop outputs"
+    got = _samples(eng, PARAMS_MIN_P)
+    s = eng.stats
+    assert s.verified > 0 and 0 < s.accepted < s.verified, "must see accepts and rejects"
+    assert set(got) <= set(exact), "an output min_p forbids"
+    assert chi2_pvalue(got, exact) > 1e-3
+
+
+def test_the_min_p_check_fails_when_verification_ignores_min_p(make_engine, small_vocab_pair,
+                                                               monkeypatch):
+    """Wrong on purpose: the verify rows' distributions without min_p."""
+    import dataclasses
+
+    real = step_mod.process_targets
+
+    def no_min_p(items):
+        out = real(items)
+        for (rc, _, _), pr in zip(items, out):
+            if pr.probs is not None:
+                pr.probs = finish(pr.logits, dataclasses.replace(rc.params, min_p=0.0), 0).probs
+        return out
+
+    monkeypatch.setattr(step_mod, "process_targets", no_min_p)
+    paths, target = small_vocab_pair
+    eng = _engine(make_engine, paths)
+    exact = _exact(eng, target, PARAMS_MIN_P)
+    got = _samples(eng, PARAMS_MIN_P)
+    assert not set(got) <= set(exact) or chi2_pvalue(got, exact) < 1e-3

@@ -2,7 +2,7 @@
 draft round and once per verify, with every constrained request of the batch.
 
 Same order and arithmetic as RequestConstraints.target / .draft (processing.py), per request:
-penalties on its rows, its grammar masks, min_new_tokens; but the rows of all requests share one
+penalties and logit_bias on its rows, its grammar masks, min_new_tokens; but the rows of all requests share one
 float32 block, one mask application, one argmax and one temperature / top-k / top-p pass, so a
 step pays a handful of tensor ops for its constrained requests rather than a handful each (small
 multi-row ops cost tens of microseconds apiece on a busy CPU).
@@ -69,6 +69,8 @@ def _process(items: Sequence[Item], firsts: list[int], masks: list[torch.Tensor 
     for (rc, _, drafts), first, lo, hi in zip(items, firsts, bounds, bounds[1:]):
         if rc.counts is not None and rc.penalties.penalizes:  # 1. penalties
             out[lo:hi] = apply_penalties(out[lo:hi], rc.penalties, rc.counts, drafts, first)
+        if rc.bias is not None:  # 1b. logit_bias
+            rc.bias.add_(out[lo:hi])
     _apply_masks(out, masks, bounds)  # 2. grammar masks
     for (rc, _, _), first, lo, hi in zip(items, firsts, bounds, bounds[1:]):  # 3.
         n_out = rc.counts.num_output if rc.counts is not None else 0

@@ -4,6 +4,7 @@ plain decoding, so that the acceptance rule compares the right target and draft 
 Order (SGLang: `SamplingBatchInfo.apply_logits_bias`, then the sampler):
   1. penalties: frequency and presence (additive), then repetition (multiplicative), with the
      row's output counts = committed output + the drafts before that row;
+  1b. logit_bias: added to its tokens' logits (after the penalties, as SGLang adds it);
   2. grammar mask: forbidden tokens -> -inf (xgrammar bitmask of that row's position);
   3. min_new_tokens: EOS and stop_token_ids -> -inf on rows whose output is still too short;
      where that would leave no token (the grammar allows only a stop token) the grammar wins;
@@ -27,8 +28,8 @@ import torch
 from sloserve.runtime.constraints.bitmask import apply_
 from sloserve.runtime.constraints.grammar_state import GrammarState
 from sloserve.runtime.penalties import PenaltyParams, TokenCounts, apply_penalties, min_tokens_rows
-from sloserve.runtime.request import SamplingParams
-from sloserve.runtime.sampler import processed_probs
+from sloserve.runtime.request import InvalidRequest, SamplingParams
+from sloserve.runtime.sampler import F32_MAX, processed_probs
 
 
 @dataclass
@@ -60,6 +61,25 @@ def mask_stop_tokens(logits: torch.Tensor, rows: int, stop_ids: torch.Tensor) ->
         logits[idx] = torch.where(dead[:, None], saved, logits[idx])
 
 
+class LogitBias:
+    """A request's logit_bias as tensors: cols [B] long, values [B] float32."""
+
+    def __init__(self, pairs: Sequence[tuple[int, float]], vocab_size: int):
+        bad = [t for t, _ in pairs if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequest("logit_bias", f"token id {bad[0]} outside the vocabulary "
+                                 f"[0, {vocab_size})")
+        self.cols = torch.tensor([t for t, _ in pairs], dtype=torch.long)
+        self.values = torch.tensor([v for _, v in pairs], dtype=torch.float32)
+
+    def add_(self, logits: torch.Tensor) -> None:
+        """In place on logits [R, V] float32: every row gets the bias; -inf stays -inf and a
+        sum saturates at float32's range (no finite logit turns into inf)."""
+        x = logits[:, self.cols] + self.values
+        logits[:, self.cols] = x.clamp_(min=-F32_MAX, max=F32_MAX).where(
+            ~torch.isneginf(logits[:, self.cols]), float("-inf"))
+
+
 def process(
     logits: torch.Tensor,  # [R, V]; row r is position first + r of the step
     params: SamplingParams,
@@ -69,6 +89,7 @@ def process(
     first: int,
     bitmask: torch.Tensor | None,  # [R, W] int32 grammar masks of the rows, or None
     stop_ids: torch.Tensor,  # [n] int64 EOS and stop_token_ids (for min_new_tokens)
+    bias: LogitBias | None = None,
 ) -> torch.Tensor:
     """Steps 1-3 of the module docstring: [R, V] float32, a new tensor."""
     out = logits.float()
@@ -76,6 +97,8 @@ def process(
         out = apply_penalties(out, penalties, counts, drafts, first)
     if out is logits:
         out = logits.clone()
+    if bias is not None:
+        bias.add_(out)
     if bitmask is not None:
         apply_(out, bitmask)
     n_out = counts.num_output if counts is not None else 0
@@ -116,11 +139,12 @@ class RequestConstraints:
         self.counts = TokenCounts(vocab_size, prompt_ids) if needs else None
         self.stop_ids = torch.tensor(sorted({int(t) for t in stop_ids if 0 <= t < vocab_size}),
                                      dtype=torch.long)
+        self.bias = LogitBias(params.logit_bias, vocab_size) if params.logit_bias else None
 
     @property
     def active(self) -> bool:
         """Whether processing differs from plain temperature / top-k / top-p sampling."""
-        return self.counts is not None or self.grammar is not None
+        return self.counts is not None or self.grammar is not None or self.bias is not None
 
     def target(self, logits: torch.Tensor, drafts: Sequence[int]) -> Processed:
         """logits [k + 1, V] of the verified positions, drafts the k verified tokens."""
@@ -129,7 +153,7 @@ class RequestConstraints:
         bm, n_valid = (self.grammar.verify_bitmask(drafts) if self.grammar is not None
                        else (None, len(drafts)))
         out = process(logits, self.params, self.penalties, self.counts, drafts, 0, bm,
-                      self.stop_ids)
+                      self.stop_ids, self.bias)
         return finish(out, self.params, n_valid)
 
     def draft(self, logits: torch.Tensor, drafts: Sequence[int]) -> Processed:
@@ -142,7 +166,7 @@ class RequestConstraints:
                 raise ValueError("push_draft each draft token before drafting the next")
             bm = self.grammar.bitmask()[None]
         out = process(row, self.params, self.penalties, self.counts, drafts, len(drafts), bm,
-                      self.stop_ids)
+                      self.stop_ids, self.bias)
         return finish(out, self.params, len(drafts))
 
     def push_draft(self, token: int) -> bool:
