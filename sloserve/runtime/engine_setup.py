@@ -121,9 +121,12 @@ def build_parts(cfg: EngineConfig) -> EngineParts:
     cost, calibration = _load_cost(cfg, target, draft, target_path, draft_path)
     from sloserve.policies.registry import make_policy
 
+    spec = cfg.speculation
+    speculative = cfg.drafter != "none" and spec.policy != "ar"
     policy = make_policy(
-        cfg.spec_policy if cfg.drafter != "none" else "ar", cost, k_max=cfg.k_max,
+        spec.policy if speculative else "ar", cost, k_max=spec.k_max,
         drafter="ngram" if cfg.drafter == "ngram" else "model", calibration=calibration,
+        options=spec.options if speculative else (),
     )
     return EngineParts(tokenizer, target, draft, alloc, policy, cost, target_path, draft_path,
                        calibration, tokenizer_path)
