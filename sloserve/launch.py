@@ -303,8 +303,8 @@ def _engine_choice(argv: list[str]) -> tuple[str, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    engine, argv = _engine_choice(sys.argv[1:] if argv is None else list(argv))
-    if engine == "sglang":
+    engine_name, argv = _engine_choice(sys.argv[1:] if argv is None else list(argv))
+    if engine_name == "sglang":
         from sloserve.sglang_plugin.launch import main as sglang_main
 
         return sglang_main(argv)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class EngineParts:
-    tokenizer: object
+    tokenizer: Any  # a Hugging Face tokenizer (AutoTokenizer)
     target: ModelRunner
     draft: ModelRunner | None  # None with the n-gram drafter or without speculation
     allocator: BlockAllocator

@@ -8,6 +8,7 @@ the simulator; the speculation decisions are the policy's plan (sloserve.specula
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -182,7 +183,7 @@ class StepRunner:
             return out
         idx = [j for j, r in enumerate(reqs) if r.constraints is not None]
         items = [(reqs[j].constraints, logits[rows[j]], chains[j]) for j in idx]
-        for j, pr in zip(idx, process_targets(items)):
+        for j, pr in zip(idx, process_targets(items)):  # type: ignore[arg-type]  # constrained
             out[j] = pr
         return out
 
@@ -191,6 +192,7 @@ class StepRunner:
         """The tokens emitted from one request's target rows (logits [k + 1, V], one row per
         verified position; k = len(chain)): the accepted drafts and one token."""
         greedy = r.params.greedy
+        probs: Any  # [k + 1, V]; None on the greedy path only
         if pr is not None:  # a constrained request: its processed rows decide
             argmax, probs = pr.argmax, pr.probs
         else:

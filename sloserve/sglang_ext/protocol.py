@@ -194,9 +194,9 @@ def normalize(req: GenerateRequest) -> tuple[list[Item], bool]:
         raise APIError.bad("text", "give exactly one of text or input_ids")
     if req.text is not None:
         batched = isinstance(req.text, list)
-        prompts: list = req.text if batched else [req.text]
+        prompts: Any = req.text if batched else [req.text]
     else:
-        ids = req.input_ids
+        ids: Any = req.input_ids  # not None: exactly one of text, input_ids
         batched = bool(ids) and isinstance(ids[0], list)
         prompts = ids if batched else [ids]
     n = len(prompts)

@@ -7,7 +7,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    MutableMapping,
+)
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -202,7 +208,7 @@ class ServingState:
             raise err from None
 
     async def run(self, ids: list[int], params: SamplingParams, rid: str | None
-                  ) -> AsyncIterator[Progress]:
+                  ) -> AsyncGenerator[Progress, None]:
         """Submit one request; yields its Progress after every engine step that touched it.
         Raises APIError (400) before the first yield when the engine rejects the request.
         Leaving early (client gone, cancellation) aborts it and frees its KV blocks."""
@@ -263,7 +269,7 @@ async def last_of(agen: AsyncIterator[T]) -> T:
     return last
 
 
-async def merge(gens: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+async def merge(gens: list[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:
     """Interleave several async iterators as (index, item), in arrival order. An exception in
     one is raised here; leaving early cancels (and so closes) all of them."""
     q: asyncio.Queue = asyncio.Queue()
@@ -317,6 +323,6 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
 
 async def _wait_disconnect(request: Request) -> None:
     while True:
-        message: dict[str, Any] = await request.receive()
+        message: MutableMapping[str, Any] = await request.receive()
         if message["type"] == "http.disconnect":
             return

@@ -242,7 +242,7 @@ def _wrap_generate_contract_gate() -> None:
 
     from sloserve.slo import slos_into_custom_params
 
-    http_server = sys.modules.get("sglang.srt.entrypoints.http_server")
+    http_server: Any = sys.modules.get("sglang.srt.entrypoints.http_server")
     if http_server is None:
         return
     original = _require(http_server, "generate_contract_error")
