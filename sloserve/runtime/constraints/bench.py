@@ -26,8 +26,8 @@ from sloserve.bench.common import machine_info, print_table
 from sloserve.runtime.constraints import GrammarCompiler, GrammarState, RequestConstraints
 from sloserve.runtime.constraints.spec import grammar_spec
 from sloserve.runtime.penalties import PenaltyParams, TokenCounts, apply_penalties
-from sloserve.runtime.request import SamplingParams
 from sloserve.runtime.sampler import processed_probs
+from sloserve.runtime.sampling_params import SamplingParams
 
 SCHEMA = {
     "type": "object",

@@ -27,8 +27,8 @@ import torch
 from sloserve.runtime.constraints.bitmask import apply_
 from sloserve.runtime.constraints.grammar_state import GrammarState
 from sloserve.runtime.penalties import PenaltyParams, TokenCounts, apply_penalties, min_tokens_rows
-from sloserve.runtime.request import SamplingParams
 from sloserve.runtime.sampler import processed_probs
+from sloserve.runtime.sampling_params import SamplingParams
 
 
 @dataclass
