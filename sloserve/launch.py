@@ -27,6 +27,7 @@ from sloserve.listen import ListenError, bind
 from sloserve.runtime.config import EngineConfig
 from sloserve.runtime.scheduler import SchedulerConfig
 from sloserve.sglang_ext.http_options import HTTPOptions
+from sloserve.spec_config import SpeculationConfig
 from sloserve.units import duration
 
 _ENGINE, _SCHED, _HTTP = EngineConfig(), SchedulerConfig(), HTTPOptions()
@@ -137,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "specserve-slo (default), adaserve[:D]")
     s.add_argument("--k-max", type=_int_in(0, 32), default=_ENGINE.k_max,
                    help="most draft tokens per request per step")
+    s.add_argument("--spec-options", type=_spec_options, default=_ENGINE.spec_options,
+                   help="the policy's options, name=value,... (fields of SpecServeOptions "
+                        "for the SpecServe family, e.g. uniform_margin=0)")
     s.add_argument("--tpot-slo", type=duration, default=None,
                    help="default time-per-output-token SLO of requests without their own, with "
                         "its unit: 30ms or 0.03s (a request's own: tpot_slo, in seconds)")
@@ -223,11 +227,13 @@ def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
                 else f"the preset {args.model_path!r} has no draft model yet and")
         parser.error(f"argument --model-path: {what} needs --draft-model-path, or "
                      "--drafter ngram / none")
-    _check_policy(parser, args.spec_policy, args.k_max, drafter)
+    _check_policy(parser, SpeculationConfig(
+        policy=args.spec_policy, k_max=args.k_max, tpot_slo=args.tpot_slo,
+        ttft_slo=args.ttft_slo, options=args.spec_options), drafter)
     return EngineConfig(
         model_path=args.model_path, draft_model_path=args.draft_model_path, drafter=drafter,
         spec_policy=args.spec_policy, k_max=args.k_max, tpot_slo=args.tpot_slo,
-        ttft_slo=args.ttft_slo, kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size,
+        ttft_slo=args.ttft_slo, spec_options=args.spec_options, kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size,
         scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,
                                   max_step_tokens=args.max_step_tokens,
                                   max_queued_requests=args.max_queued_requests),
@@ -239,16 +245,22 @@ def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     )
 
 
-def _check_policy(parser, spec: str, k_max: int, drafter: str) -> None:
-    from sloserve.estimator.cost_model import CostModel, ForwardCost
-    from sloserve.policies.registry import make_policy
-
-    free = ForwardCost.free()
+def _spec_options(text: str) -> tuple[tuple[str, str], ...]:
     try:
-        make_policy(spec, CostModel(free, free), k_max=k_max,
-                    drafter="ngram" if drafter == "ngram" else "model")
+        return SpeculationConfig.parse_options(text)
     except ValueError as e:
-        parser.error(f"argument --spec-policy: {e}")
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _check_policy(parser: argparse.ArgumentParser, spec: SpeculationConfig,
+                  drafter: str) -> None:
+    """parser.error naming --spec-policy or --spec-options unless `spec` builds a policy."""
+    from sloserve.policies.registry import SpeculationSettingError, check_speculation
+
+    try:
+        check_speculation(spec, drafter="ngram" if drafter == "ngram" else "model")
+    except SpeculationSettingError as e:
+        parser.error(f"argument --spec-{e.setting}: {e}")
 
 
 async def _serve(server, sock, host: str, state) -> int:
@@ -302,8 +314,8 @@ def _engine_choice(argv: list[str]) -> tuple[str, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    engine, argv = _engine_choice(sys.argv[1:] if argv is None else list(argv))
-    if engine == "sglang":
+    engine_name, argv = _engine_choice(sys.argv[1:] if argv is None else list(argv))
+    if engine_name == "sglang":
         from sloserve.sglang_plugin.launch import main as sglang_main
 
         return sglang_main(argv)

@@ -60,6 +60,19 @@ def slo_array(own: Sequence[float | None], default: float | None) -> np.ndarray:
     return np.array([effective_slo(s, default) for s in own], dtype=np.float64)
 
 
+def slos_into_custom_params(params: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of sampling params (a dict) with the SLO keys stated directly moved into
+    custom_params (a server that checks sampling params against SGLang's own fields, such as
+    SGLang's, then sees only its own spelling); None values are dropped, custom_params'
+    own SLO keys give way to the direct ones."""
+    out = {k: v for k, v in params.items() if k not in SLO_KEYS}
+    own = {k: params[k] for k in SLO_KEYS if params.get(k) is not None}
+    if own:
+        custom = params.get("custom_params")
+        out["custom_params"] = {**(custom if isinstance(custom, Mapping) else {}), **own}
+    return out
+
+
 def request_slos(params: Any) -> dict[str, Any]:
     """What a request's parameters state about its SLOs, for a server that parses them:
     {"tpot_slo": ..., "ttft_slo": ... (stated_slo each, unvalidated), "custom_params": the

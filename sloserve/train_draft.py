@@ -38,6 +38,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 log = logging.getLogger("sloserve.train_draft")
 
@@ -353,7 +354,7 @@ class TargetCache:
                                    - len(prompt)))
         self.offsets = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
         self.path, self.progress_path = path, path.with_suffix(".done")
-        mode = "r+" if path.is_file() else "w+"
+        mode: Literal["r+", "w+"] = "r+" if path.is_file() else "w+"
         self.mem = np.memmap(path, dtype=np.int16, mode=mode,
                              shape=(int(self.offsets[-1]), hidden))
         self.done = int(self.progress_path.read_text()) if self.progress_path.is_file() else 0
@@ -365,7 +366,8 @@ class TargetCache:
         bar = tqdm(total=len(records), initial=self.done, unit="answer", desc="target states",
                    mininterval=10)
         while self.done < len(records):
-            rows, tokens = [], 0
+            rows: list[tuple[int, list[int], int]] = []  # (record, ids, prompt length)
+            tokens = 0
             while self.done + len(rows) < len(records) and tokens < batch_tokens:
                 i = self.done + len(rows)
                 r = records[i]

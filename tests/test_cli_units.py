@@ -87,3 +87,43 @@ def test_profiler_and_replay_refuse_abbreviations():
     assert e.value.code == 2
     out = _run("sloserve.profiler", "--qui")
     assert out.returncode == 2 and "unrecognized arguments: --qui" in out.stderr
+
+
+def _builtin_config(*argv: str):
+    from sloserve.launch import build_parser, config_from_args
+
+    parser = build_parser()
+    return config_from_args(parser, parser.parse_args(list(argv)))
+
+
+def test_builtin_launch_takes_spec_options_into_the_shared_config():
+    """--spec-options as on the SGLang side: carried by EngineConfig as the shared
+    SpeculationConfig, and the policy the engine builds from it has them."""
+    from sloserve.estimator.cost_model import CostModel, ForwardCost
+    from sloserve.policies.registry import make_policy
+
+    cfg = _builtin_config("--spec-policy", "specserve", "--k-max", "4", "--tpot-slo", "30ms",
+                          "--spec-options", "uniform_margin=0, lag_cap=none")
+    spec = cfg.speculation
+    assert (spec.policy, spec.k_max, spec.options) == (
+        "specserve", 4, (("uniform_margin", "0"), ("lag_cap", "none")))
+    assert spec.tpot_slo == pytest.approx(0.03)
+    free = ForwardCost.free()
+    policy = make_policy(spec.policy, CostModel(free, free), k_max=spec.k_max,
+                         options=spec.options)
+    assert policy.options.uniform_margin == 0.0 and policy.options.lag_cap is None
+    assert _builtin_config().speculation.options == ()
+
+
+@pytest.mark.parametrize("argv, option, names", [
+    (["--spec-options", "foo=1"], "--spec-options", "foo"),
+    (["--spec-options", "uniform_margin"], "--spec-options", "uniform_margin"),
+    (["--spec-policy", "fixed:3", "--spec-options", "uniform_margin=0"], "--spec-options",
+     "takes no options"),
+    (["--spec-policy", "nope"], "--spec-policy", "nope"),
+])
+def test_builtin_launch_names_the_option_at_fault(argv, option, names, capsys):
+    with pytest.raises(SystemExit) as e:
+        _builtin_config(*argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"argument {option}" in err and names in err, err

@@ -89,6 +89,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     base = Engine(EngineConfig(spec_policy="fixed:1", kv_cache_tokens=65536))
     t, d = base.parts.target, base.parts.draft
+    assert d is not None  # the built-in pair has its draft
     cost = {f"{name}_b{b}_ms": forward_ms(r, b) for name, r in (("target", t), ("draft", d)) for b in (1, 32)}
     cost["ratio_b1"] = cost["target_b1_ms"] / cost["draft_b1_ms"]
     cost["ratio_b32"] = cost["target_b32_ms"] / cost["draft_b32_ms"]

@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import statistics
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -135,7 +136,7 @@ class ClosedLoop:
         }
 
 
-def run_loops(loops: list[ClosedLoop], requests: int, interleave: bool = True) -> list[dict]:
+def run_loops(loops: Sequence[ClosedLoop], requests: int, interleave: bool = True) -> list[dict]:
     """Run the loops until each has finished `requests` requests, then stop them.
 
     interleave: one step of each loop in turn, all of them until the slowest is done, so
@@ -174,7 +175,8 @@ def policy_engine(base: Engine, name: str, k_max: int, drafter: str, kv_tokens: 
         return ModelRunner(r.model, kv, r.backend, base.cfg.block_size)
 
     parts = dataclasses.replace(
-        parts, target=runner(parts.target), draft=runner(parts.draft),
+        parts, target=runner(parts.target),  # type: ignore[arg-type]  # a runner in, one out
+        draft=runner(parts.draft),
         allocator=BlockAllocator(blocks, base.cfg.block_size),
         policy=make_policy(name, parts.cost, k_max=k_max, drafter=drafter,
                            calibration=parts.calibration),

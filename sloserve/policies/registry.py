@@ -36,6 +36,7 @@ from sloserve.policies.sglang_adaptive import SGLangAdaptivePolicy
 from sloserve.policies.specserve import SpecServePolicy
 from sloserve.policies.specserve.options import parse_options
 from sloserve.policies.specserve.slo_policy import SloSpecServePolicy
+from sloserve.spec_config import SpeculationConfig
 from sloserve.speculation import SpecPolicy
 
 # the baseline set of docs/design.md sec. 10; every entry is a valid spec
@@ -169,3 +170,33 @@ def make_policy(spec: str, cost: CostModel, *, k_max: int, drafter: str = "model
     if calibration is not None and isinstance(policy, SpecServePolicy | AdaServePolicy):
         policy.seed_calibration(calibration)
     return policy
+
+
+class SpeculationSettingError(ValueError):
+    """A SpeculationConfig the registry cannot build; `setting` is the field at fault
+    ("policy" or "options"), so a command line names its own option."""
+
+    def __init__(self, setting: str, message: str):
+        super().__init__(message)
+        self.setting = setting
+
+
+def check_speculation(spec: SpeculationConfig, drafter: str = "model") -> None:
+    """Raise SpeculationSettingError unless `spec` builds a policy (both command lines call
+    this before any model loads): first the policy and k_max alone, then with its options."""
+    if spec.policy == "ar":
+        if spec.options:
+            raise SpeculationSettingError("options", "policy 'ar' takes no options")
+        return
+    from sloserve.estimator.cost_model import ForwardCost
+
+    free = ForwardCost.free()
+    try:
+        make_policy(spec.policy, CostModel(free, free), k_max=spec.k_max, drafter=drafter)
+    except ValueError as e:
+        raise SpeculationSettingError("policy", str(e)) from e
+    try:
+        make_policy(spec.policy, CostModel(free, free), k_max=spec.k_max, drafter=drafter,
+                    options=spec.options)
+    except ValueError as e:
+        raise SpeculationSettingError("options", str(e)) from e

@@ -272,8 +272,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.target == "sim" and args.sim_workers > 1:
         from sloserve.sim.pool import prerun
+        from sloserve.sim.target import SimTarget
 
-        prerun(targets, [w.requests for w in cells_in], args.sim_workers)
+        sims = {p: t for p, t in targets.items() if isinstance(t, SimTarget)}  # all of them
+        prerun(sims, [w.requests for w in cells_in], args.sim_workers)
     cells = []
     for w in cells_in:
         runs = run_policies(w.requests, targets, show_progress=not args.no_progress)

@@ -24,8 +24,7 @@ from typing import Any
 
 import httpx
 
-from sloserve.replay.records import ReplayRequest, RequestRecord, SpecStats
-from sloserve.replay.targets import Progress
+from sloserve.replay.records import Progress, ReplayRequest, RequestRecord, SpecStats
 
 DEFAULT_TIMEOUT_S = 6 * 3600.0  # per request, like vllm bench serve's aiohttp timeout
 

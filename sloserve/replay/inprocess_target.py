@@ -71,7 +71,7 @@ class InProcessTarget:
 
         async def consume() -> None:
             nonlocal prompt_tokens
-            prompt = req.text if req.text is not None else list(req.input_ids)
+            prompt = req.text if req.text is not None else list(req.input_ids or ())
             async for out in aeng.generate(prompt, params):
                 prompt_tokens = out.prompt_tokens
                 if out.new_token_ids:

@@ -97,7 +97,7 @@ class Distribution:
     p99: float | None
 
     @staticmethod
-    def of(values_s: Sequence[float]) -> Distribution:
+    def of(values_s: Sequence[float] | np.ndarray) -> Distribution:
         if len(values_s) == 0:
             return Distribution(0, None, None, None, None)
         ms = np.asarray(values_s, dtype=np.float64) * 1000.0

@@ -12,6 +12,7 @@ Per cell (trace / load), one line per policy:
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,10 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from sloserve.replay.report import cell_slug
+
+def cell_slug(cell: dict[str, Any]) -> str:
+    """A file-name-safe name of a cell (trace + load)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", f"{cell['trace']}__{cell['load']}").strip("_")
 
 
 def write_plots(report: dict[str, Any], out_dir: str | Path) -> list[Path]:

@@ -6,6 +6,7 @@ to), measured by the client (the target's side of the wire), like `vllm bench se
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -135,3 +136,6 @@ class PolicyRun:
     policy: str
     records: tuple[RequestRecord, ...]
     spec_stats: SpecStats | None = None
+
+
+Progress = Callable[[RequestRecord], None]  # called once per finished request

@@ -14,7 +14,6 @@ A cell is one (trace, load) combination; its runs are the policies, side by side
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -141,11 +140,6 @@ def load_report(path: str | Path) -> dict[str, Any]:
     if report.get("schema") != SCHEMA:
         raise ValueError(f"{path}: not a {SCHEMA} report")
     return report
-
-
-def cell_slug(cell: dict[str, Any]) -> str:
-    """A file-name-safe name of a cell (trace + load)."""
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", f"{cell['trace']}__{cell['load']}").strip("_")
 
 
 # ---- markdown -------------------------------------------------------------------------------

@@ -15,14 +15,12 @@ order of the input list. Kinds:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
-from sloserve.replay.records import ReplayRequest, RequestRecord, SpecStats
+from sloserve.replay.records import Progress, ReplayRequest, RequestRecord, SpecStats
 
 TARGET_KINDS = ("http", "inprocess", "sim")
 
-Progress = Callable[[RequestRecord], None]  # called once per finished request
 
 
 class Target(Protocol):

@@ -21,7 +21,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -95,7 +95,7 @@ class AsyncEngine:
     # ----- public API (any thread / the event loop)
     async def generate(
         self, prompt: str | Sequence[int], params: SamplingParams, rid: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Submit a request; yields its outputs step by step until it finishes.
         Raises InvalidRequest before the first yield when the request is bad."""
         loop = asyncio.get_running_loop()
@@ -103,7 +103,7 @@ class AsyncEngine:
         done: Future = Future()
         self._submit(_Add(prompt, params, rid, _loop_sink(loop, q), done))
         try:
-            rid = await asyncio.wrap_future(done)
+            added: str = await asyncio.wrap_future(done)
         except asyncio.CancelledError:  # the caller left before the engine took the request
             done.add_done_callback(self._abort_when_added)
             raise
@@ -119,7 +119,7 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self.abort(rid)
+                self.abort(added)
 
     def _abort_when_added(self, done: Future) -> None:
         if not done.cancelled() and done.exception() is None and self._error is None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from sloserve.runtime.scheduler import SchedulerConfig
 from sloserve.spec_config import DEFAULTS as SPEC_DEFAULTS
+from sloserve.spec_config import SpeculationConfig
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,8 @@ class EngineConfig:
     k_max: int = SPEC_DEFAULTS.k_max  # most draft tokens per request per step
     tpot_slo: float | None = None  # seconds; default TPOT SLO of requests without their own
     ttft_slo: float | None = None
+    # the policy's options, (name, value) pairs (--spec-options; SpeculationConfig.options)
+    spec_options: tuple[tuple[str, str], ...] = SPEC_DEFAULTS.options
     kv_cache_tokens: int = 65536  # KV capacity shared by all requests, in tokens
     block_size: int = 16
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -48,6 +51,14 @@ class EngineConfig:
         return max(1, self.kv_cache_tokens // self.block_size)
 
     @property
+    def speculation(self) -> SpeculationConfig:
+        """The speculation settings as the shared SpeculationConfig (the value SGLang's
+        worker gets too); raises ValueError on an invalid k_max or SLO."""
+        return SpeculationConfig(policy=self.spec_policy, k_max=self.k_max,
+                                 tpot_slo=self.tpot_slo, ttft_slo=self.ttft_slo,
+                                 options=self.spec_options)
+
+    @property
     def speculative(self) -> bool:
         return self.drafter != "none" and self.spec_policy != "ar"
 
@@ -71,8 +82,7 @@ def resolve(cfg: EngineConfig) -> EngineConfig:
         dtype = "bfloat16" if device == "cuda" else auto_cpu_dtype()
     if cfg.drafter not in ("model", "ngram", "none"):
         raise ValueError(f"drafter must be one of model, ngram, none; got {cfg.drafter!r}")
-    if cfg.k_max < 0 or cfg.k_max > 32:
-        raise ValueError(f"k_max must be in [0, 32], got {cfg.k_max}")
+    _ = cfg.speculation  # SpeculationConfig raises ValueError on k_max or an SLO out of range
     if cfg.context_length is not None and cfg.context_length < 2:
         raise ValueError(f"context_length must be >= 2, got {cfg.context_length}")
     return dataclasses.replace(cfg, device=device, dtype=dtype)

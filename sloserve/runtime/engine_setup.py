@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class EngineParts:
-    tokenizer: object
+    tokenizer: Any  # a Hugging Face tokenizer (AutoTokenizer)
     target: ModelRunner
     draft: ModelRunner | None  # None with the n-gram drafter or without speculation
     allocator: BlockAllocator
@@ -129,9 +130,12 @@ def build_parts(cfg: EngineConfig) -> EngineParts:
     cost, calibration = _load_cost(cfg, target, draft, target_path, draft_path)
     from sloserve.policies.registry import make_policy
 
+    spec = cfg.speculation
+    speculative = cfg.drafter != "none" and spec.policy != "ar"
     policy = make_policy(
-        cfg.spec_policy if cfg.drafter != "none" else "ar", cost, k_max=cfg.k_max,
+        spec.policy if speculative else "ar", cost, k_max=spec.k_max,
         drafter="ngram" if cfg.drafter == "ngram" else "model", calibration=calibration,
+        options=spec.options if speculative else (),
     )
     return EngineParts(tokenizer, target, draft, alloc, policy, cost, target_path, draft_path,
                        calibration, tokenizer_path)

@@ -9,10 +9,9 @@ length and freeing tail blocks.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol
 
 import torch
-
-from sloserve.runtime.models.config import ModelConfig
 
 
 class OutOfBlocks(RuntimeError):
@@ -77,11 +76,22 @@ class BlockAllocator:
             )
 
 
+class KVShape(Protocol):
+    """What KV storage needs of a model's config (models/config.py ModelConfig has it)."""
+
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+
+
 class KVStorage:
     """K and V tensors of one model: [num_layers, num_slots, kv_heads, head_dim] each."""
 
     def __init__(
-        self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device
+        self, cfg: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype, device
     ):
         slots = num_blocks * block_size
         shape = (cfg.num_layers, slots, cfg.num_kv_heads, cfg.head_dim)
@@ -94,7 +104,7 @@ class KVStorage:
         self.v[layer].index_copy_(0, slots, v)
 
 
-def kv_bytes_per_block(cfgs: Iterable[ModelConfig], block_size: int, elem_bytes: int = 4) -> int:
+def kv_bytes_per_block(cfgs: Iterable[KVShape], block_size: int, elem_bytes: int = 4) -> int:
     return sum(2 * c.num_layers * c.num_kv_heads * c.head_dim * elem_bytes for c in cfgs) * (
         block_size
     )

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sloserve.runtime.request import GREEDY_TEMPERATURE
 from sloserve.runtime.sampler import F32_MAX, MAX_TEMPERATURE
+from sloserve.runtime.sampling_params import GREEDY_TEMPERATURE
 
 _LOWEST = torch.finfo(torch.float32).min
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from sloserve.runtime.request import SamplingParams
+from sloserve.runtime.sampling_params import SamplingParams
 
 F32_MAX = torch.finfo(torch.float32).max
 MAX_TEMPERATURE = 1e6  # softmax(logits / 1e6) is uniform to float32 precision

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -205,11 +207,13 @@ class StepRunner:
         """Processed target rows of the constrained requests (None for the others). When the
         batched pass raises, each request's rows are processed alone: the one that raises
         gets its error (RequestError) instead, the others their rows, the same values."""
-        out: list[Processed | None] = [None] * len(reqs)
+        out: list[Processed | RequestError | None] = [None] * len(reqs)
         if not self._constrained:  # the common case: no request uses these options
             return out
         idx = [j for j, r in enumerate(reqs) if r.constraints is not None]
-        items = [(reqs[j].constraints, logits[rows[j]], chains[j]) for j in idx]
+        items = [(c, logits[rows[j]], chains[j]) for j in idx
+                 if (c := reqs[j].constraints) is not None]
+        done: Sequence[Processed | RequestError]
         try:
             done = process_targets(items)
         except Exception:  # noqa: BLE001 - one request's rows: find it, process each alone
@@ -248,6 +252,7 @@ class StepRunner:
         """The tokens emitted from one request's target rows (logits [k + 1, V], one row per
         verified position; k = len(chain)): the accepted drafts and one token."""
         greedy = r.params.greedy
+        probs: Any  # [k + 1, V]; None on the greedy path only
         if pr is not None:  # a constrained request: its processed rows decide
             argmax, probs = pr.argmax, pr.probs
         else:

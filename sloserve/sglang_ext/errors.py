@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import re
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -70,7 +71,7 @@ def _loc(loc: tuple) -> str:
 _TAGS = ("str", "int", "float", "bool", "dict", "list", "none")
 
 
-def validation_message(errors: list[dict[str, Any]], prefix: str = "") -> tuple[str, str]:
+def validation_message(errors: Sequence[Mapping[str, Any]], prefix: str = "") -> tuple[str, str]:
     """(message, param) for pydantic/FastAPI errors: one line per field, unknown keys named."""
     seen: dict[str, str] = {}
     for err in errors:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -87,7 +88,7 @@ def meta_info(job: Job, prog: Progress | None, final: bool) -> dict:
     """SGLang's meta_info, plus the speculation counters of the request."""
     last = prog.last if prog is not None else None
     completion = last.completion_tokens if last else 0
-    meta = {
+    meta: dict[str, Any] = {
         "id": prog.rid if prog is not None else job.item.rid,
         "finish_reason": None,
         "prompt_tokens": len(job.ids),
@@ -167,7 +168,8 @@ async def run_job(state: ServingState, job: Job) -> dict:
             "meta_info": meta}
 
 
-async def stream_job(state: ServingState, job: Job, batched: bool) -> AsyncIterator[dict]:
+async def stream_job(state: ServingState, job: Job,
+                     batched: bool) -> AsyncGenerator[dict, None]:
     """Chunks of one streamed prompt: cumulative text and output_ids, meta_info so far."""
     index = {"index": job.item.index} if batched else {}
     if job.params is None:
@@ -176,7 +178,7 @@ async def stream_job(state: ServingState, job: Job, batched: bool) -> AsyncItera
     async with aclosing(state.run(job.ids, job.params, job.item.rid,
                                   stream_interval(job.item.sp.stream_interval, ''))) as stream:
         async for prog in stream:
-            if not prog.last.new_token_ids and not prog.finished:
+            if not prog.last.new_token_ids and not prog.finished:  # type: ignore[union-attr]
                 continue
             meta = meta_info(job, prog, final=prog.finished)
             if prog.finished and job.item.return_logprob:
@@ -189,7 +191,8 @@ def sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
-async def _events(first: dict | None, chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+async def _events(first: dict | None,
+                  chunks: AsyncGenerator[dict, None]) -> AsyncGenerator[bytes, None]:
     async with aclosing(chunks):
         try:
             if first is not None:
@@ -201,7 +204,7 @@ async def _events(first: dict | None, chunks: AsyncIterator[dict]) -> AsyncItera
     yield b"data: [DONE]\n\n"
 
 
-async def _items_stream(state: ServingState, jobs: list[Job]) -> AsyncIterator[dict]:
+async def _items_stream(state: ServingState, jobs: list[Job]) -> AsyncGenerator[dict, None]:
     async with aclosing(merge([stream_job(state, j, True) for j in jobs])) as merged:
         async for _, chunk in merged:
             yield chunk
@@ -246,7 +249,7 @@ async def generate(request: Request, state: ServingState):
 async def _run_batch(state: ServingState, jobs: list[Job]) -> list[dict]:
     """All jobs concurrently; the first error cancels (and so aborts) the others."""
 
-    async def one(job: Job) -> AsyncIterator[dict]:
+    async def one(job: Job) -> AsyncGenerator[dict, None]:
         yield await run_job(state, job)
 
     results: list = [None] * len(jobs)

@@ -8,7 +8,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -204,7 +204,7 @@ def _sse(obj) -> bytes:
 
 async def _stream(st: ServingState, jobs: list[Job], head: dict, chat: bool,
                   usage: str | None, k: int | None, echoed: dict[int, Entries],
-                  interval: int = 1) -> AsyncIterator[bytes]:
+                  interval: int = 1) -> AsyncGenerator[bytes, None]:
     """usage: None; "last" (include_usage: a final chunk with the usage); "every"
     (continuous_usage_stats: the usage so far in every chunk too, as vLLM and SGLang)."""
     head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}

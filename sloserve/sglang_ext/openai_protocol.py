@@ -116,7 +116,7 @@ class _Sampling(BaseModel):
     def engine_params(self, max_new_tokens: int, logprobs: int | None = None) -> SamplingParams:
         """logprobs: None, or how many top log-probabilities per output token to record."""
         spec = self.grammar()
-        text = {"regex": None, "json_schema": None, "ebnf": None}
+        text: dict[str, Any] = {"regex": None, "json_schema": None, "ebnf": None}
         if spec is not None:
             text[spec.kind] = spec.text
         try:

@@ -207,9 +207,9 @@ def normalize(req: GenerateRequest) -> tuple[list[Item], bool]:
         raise APIError.bad("text", "give exactly one of text or input_ids")
     if req.text is not None:
         batched = isinstance(req.text, list)
-        prompts: list = req.text if batched else [req.text]
+        prompts: Any = req.text if batched else [req.text]
     else:
-        ids = req.input_ids
+        ids: Any = req.input_ids  # not None: exactly one of text, input_ids
         batched = bool(ids) and isinstance(ids[0], list)
         prompts = ids if batched else [ids]
     n = len(prompts)
@@ -233,7 +233,7 @@ def normalize(req: GenerateRequest) -> tuple[list[Item], bool]:
     ids_lp = _per_item(ids_lp if per_prompt else None, n, ids_lp or None, "token_ids_logprob",
                        batched)
     items = [Item(i, prompts[i], sps[i], rids[i], want[i], start[i], top[i],
-                  req.return_text_in_logprobs, ids_lp[i] or None) for i in range(n)]
+                  req.return_text_in_logprobs, _ids_or_none(ids_lp[i])) for i in range(n)]
     for it in items:
         if it.logprob_start_len < -1:
             raise APIError.bad("logprob_start_len", f"must be >= -1, got {it.logprob_start_len}")
@@ -262,3 +262,8 @@ def finish_reason_json(reason: str | None, matched: str | int | None, completion
     if reason == "length":
         return {"type": "length", "length": completion_tokens}
     return {"type": "abort", "message": message or "request aborted"}
+
+
+def _ids_or_none(ids) -> list[int] | None:
+    """One item's token_ids_logprob (a list of ids, checked by SamplingParams), or None."""
+    return list(ids) if ids else None

@@ -7,7 +7,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    MutableMapping,
+)
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -228,7 +234,7 @@ class ServingState:
             raise err from None
 
     async def run(self, ids: list[int], params: SamplingParams, rid: str | None,
-                  stream_interval: int = 1) -> AsyncIterator[Progress]:
+                  stream_interval: int = 1) -> AsyncGenerator[Progress, None]:
         """Submit one request; yields its Progress after every engine step that touched it
         (stream_interval > 1: on the first token, then once at least that many more tokens
         came, and at the end; Progress is cumulative, so a skipped one loses nothing).
@@ -295,7 +301,7 @@ async def last_of(agen: AsyncIterator[T]) -> T:
     return last
 
 
-async def merge(gens: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+async def merge(gens: list[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:
     """Interleave several async iterators as (index, item), in arrival order. An exception in
     one is raised here; leaving early cancels (and so closes) all of them."""
     q: asyncio.Queue = asyncio.Queue()
@@ -349,6 +355,6 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
 
 async def _wait_disconnect(request: Request) -> None:
     while True:
-        message: dict[str, Any] = await request.receive()
+        message: MutableMapping[str, Any] = await request.receive()
         if message["type"] == "http.disconnect":
             return

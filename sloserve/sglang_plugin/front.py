@@ -35,6 +35,7 @@ _DROP = {"host", "content-length", "connection", "keep-alive", "transfer-encodin
 def _error(path: str, status: int, message: str, param: str | None) -> JSONResponse:
     """SGLang's error shape: OpenAI's on /v1 routes, its own elsewhere."""
     kind = "BadRequestError" if status == 400 else "ServiceUnavailable"
+    body: dict[str, object]
     if path.startswith("/v1/"):
         body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     else:

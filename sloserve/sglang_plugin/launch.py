@@ -27,9 +27,12 @@ import os
 import sys
 from collections.abc import Sequence
 
-from sloserve.estimator.cost_model import CostModel, ForwardCost
 from sloserve.listen import ListenError, check_free
-from sloserve.policies.registry import SPEC_GRAMMAR, make_policy
+from sloserve.policies.registry import (
+    SPEC_GRAMMAR,
+    SpeculationSettingError,
+    check_speculation,
+)
 from sloserve.sglang_plugin import settings
 from sloserve.sglang_plugin.cpu_server import (
     CPUServerConfig,
@@ -126,19 +129,23 @@ def sglang_args(argv: Sequence[str], bind: tuple[str, int] | None = None
     if bind is not None:
         args.host, args.port = bind
     try:
+        options = SpeculationConfig.parse_options(args.spec_options)
+    except ValueError as e:
+        parser.error(f"argument --spec-options: {e}")
+    spec_config = SpeculationConfig(policy=args.spec_policy, k_max=args.k_max,
+                                    tpot_slo=args.tpot_slo, options=options)
+    try:  # the same check as the built-in engine's
+        check_speculation(spec_config)
+    except SpeculationSettingError as e:
+        parser.error(f"argument --spec-{e.setting}: {e}")
+    try:
         worker = settings.WorkerConfig(
-            SpeculationConfig(policy=args.spec_policy, k_max=args.k_max, tpot_slo=args.tpot_slo,
-                              options=SpeculationConfig.parse_options(args.spec_options)),
-            lengths=args.spec_lengths, profile=args.spec_profile, sweep=args.spec_sweep,
-            timings=args.spec_timings, step_log=args.spec_step_log,
+            spec_config, lengths=args.spec_lengths, profile=args.spec_profile,
+            sweep=args.spec_sweep, timings=args.spec_timings, step_log=args.spec_step_log,
             test_verify_lens=args.spec_test_verify_lens,
             test_accept_all=args.spec_test_accept_all)
-        if args.spec_policy != "ar":  # the same check as the built-in engine's
-            free = ForwardCost.free()
-            make_policy(args.spec_policy, CostModel(free, free), k_max=args.k_max,
-                        options=worker.spec.options)
-    except ValueError as e:
-        parser.error(f"argument --spec-policy/--spec-options: {e}")
+    except ValueError as e:  # the hidden profiling and test switches
+        parser.error(f"argument --spec-sweep/--spec-test-verify-lens: {e}")
     from sloserve.runtime.models.presets import preset_has_draft, resolve_pair
 
     # presets (builtin, smollm2) are built or fetched here on first use, before SGLang starts

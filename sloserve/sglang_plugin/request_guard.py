@@ -158,6 +158,7 @@ def _safe_top_k(params: dict, field: str) -> bool:
     k = params.get("top_k")
     if not _is_int(k):
         return False
+    assert k is not None  # an integer (checked above)
     if k < -1:
         raise Refused(field, f"must be -1 (off) or a positive integer, got {k}")
     if k >= NO_TOP_K_FROM:

@@ -16,8 +16,9 @@ Patches, in the order they are applied (each independent of the others' order):
     register_specserve            the SPECSERVE algorithm, its output streamer, its metrics
     install_ragged_extend_metadata IntelAMXAttnBackend._build_extend_metadata reads a ragged
                                   verify layout
-    install_request_slo_fields    TokenizerManager: sampling_params.tpot_slo / ttft_slo
-                                  move into custom_params (sloserve/slo.py reads both)
+    install_request_slo_fields    TokenizerManager and the HTTP server's contract gate:
+                                  sampling_params.tpot_slo / ttft_slo count as
+                                  custom_params (sloserve/slo.py reads both)
     install_result_hook           SchedulerBatchResultProcessor._resolve_spec_v2_tokens hands
                                   each resolved result to the worker's `sloserve_verified`
     replace_methods               a draft worker's prefill / draft / decode-extend methods
@@ -198,30 +199,68 @@ def register_specserve(worker_class: Callable[[], type],
 
 
 def install_request_slo_fields() -> None:
-    """SGLang's SamplingParams takes no `tpot_slo` / `ttft_slo`: the tokenizer manager's
-    sampling-params class is wrapped (after TokenizerManager.__init__) so those keys move
-    into custom_params, where the worker reads them (sloserve.slo); both spellings work."""
+    """SGLang's SamplingParams takes no `tpot_slo` / `ttft_slo`, and two places refuse them:
+    the HTTP server's contract gate (`http_server.generate_contract_error`, which checks a
+    /generate body against SGLang's API schema before anything else reads it: a 400
+    "unknown field `tpot_slo`") and the tokenizer manager's SamplingParams(**kwargs). After
+    TokenizerManager.__init__ (in the process that parses requests) both are wrapped so
+    those keys count as custom_params, where the worker reads them (sloserve.slo); both
+    spellings work. (Wrapping only the SamplingParams class, as first done, left the gate,
+    which runs earlier, answering 400.)"""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sloserve.slo import SLO_KEYS
-
     def _accept_slo_fields(result: Any, manager: Any, *a: Any, **kw: Any) -> Any:
-        cls = _require(manager, "sampling_params_class")
-        if getattr(cls, "sloserve_slo_fields", False):
-            return result
-
-        def make(**kwargs: Any) -> Any:
-            own = {k: kwargs.pop(k) for k in SLO_KEYS if k in kwargs}
-            own = {k: v for k, v in own.items() if v is not None}
-            if own:
-                kwargs["custom_params"] = {**(kwargs.get("custom_params") or {}), **own}
-            return cls(**kwargs)
-
-        manager.sampling_params_class = _mark(make, "sloserve_slo_fields")
+        _wrap_sampling_params_class(manager)
+        _wrap_generate_contract_gate()
         return result
 
     HookRegistry.register("sglang.srt.managers.tokenizer_manager.TokenizerManager.__init__",
                           _accept_slo_fields, HookType.AFTER)
+
+
+def _wrap_sampling_params_class(manager: Any) -> None:
+    """manager.sampling_params_class(**kwargs) with the SLO keys moved into custom_params."""
+    from sloserve.slo import slos_into_custom_params
+
+    cls = _require(manager, "sampling_params_class")
+    if getattr(cls, "sloserve_slo_fields", False):
+        return
+
+    def make(**kwargs: Any) -> Any:
+        return cls(**slos_into_custom_params(kwargs))
+
+    manager.sampling_params_class = _mark(make, "sloserve_slo_fields")
+
+
+def _wrap_generate_contract_gate() -> None:
+    """http_server.generate_contract_error(body) checks the body with each sampling_params'
+    SLO keys moved into custom_params (the body itself is not changed: the request object
+    was parsed from it already, and the tokenizer manager moves them). Only where SGLang's
+    HTTP server is loaded (its module is imported before it makes the tokenizer manager);
+    an offline Engine has no gate."""
+    import sys
+
+    from sloserve.slo import slos_into_custom_params
+
+    http_server: Any = sys.modules.get("sglang.srt.entrypoints.http_server")
+    if http_server is None:
+        return
+    original = _require(http_server, "generate_contract_error")
+    if getattr(original, "sloserve_slo_fields", False):
+        return
+
+    def moved(params: Any) -> Any:
+        return slos_into_custom_params(params) if isinstance(params, dict) else params
+
+    @functools.wraps(original)
+    def gate(body: Any) -> Any:
+        if isinstance(body, dict) and "sampling_params" in body:
+            params = body["sampling_params"]
+            params = [moved(p) for p in params] if isinstance(params, list) else moved(params)
+            body = {**body, "sampling_params": params}
+        return original(body)
+
+    http_server.generate_contract_error = _mark(gate, "sloserve_slo_fields")
 
 
 # ----- the scheduler process: the worker's patches

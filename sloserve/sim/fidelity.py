@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -82,7 +83,7 @@ def warm_up(cfg: EngineConfig, requests: list[ReplayRequest]) -> None:
     from sloserve.runtime.request import SamplingParams
 
     eng = Engine(cfg, parts=shared_parts(cfg))
-    eng.generate([list(requests[0].input_ids)], SamplingParams(max_new_tokens=8, temperature=0.0,
+    eng.generate([list(requests[0].input_ids or ())], SamplingParams(max_new_tokens=8, temperature=0.0,
                                                                ignore_eos=True))
 
 
@@ -165,12 +166,12 @@ def compare(real_runs, sim_runs_by_seed, slo: SloConfig) -> list[dict]:
         r = side(summarize_run(real, slo))
         per_seed = [side(summarize_run(runs[i], slo)) for runs in sim_runs_by_seed]
         s = mean_side(per_seed)
-        errs = [rel_err(x["e2e_ms"], r["e2e_ms"]) for x in per_seed]
+        errs = [e for x in per_seed if (e := rel_err(x["e2e_ms"], r["e2e_ms"])) is not None]
         rows.append({
             "policy": real.policy, "real": r, "sim": s, "sim_per_seed": per_seed,
             "e2e_rel_err": rel_err(s["e2e_ms"], r["e2e_ms"]),
             "tpot_rel_err": rel_err(s["tpot_ms"], r["tpot_ms"]),
-            "e2e_rel_err_seed_range": [min(errs), max(errs)] if None not in errs else None,
+            "e2e_rel_err_seed_range": [min(errs), max(errs)] if len(errs) == len(per_seed) else None,
         })
     return rows
 
@@ -248,6 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
             out_dir = REPO / "out" / "fidelity_profiles" / str(i)  # a distinct path per policy
             profile = str(profile_main(["--quick", "--out-dir", str(out_dir)]))
         else:
+            assert fixed_profile is not None  # set unless fresh
             profile = fixed_profile
         cfg = dataclasses.replace(base, profile_path=profile)
         warm_up(cfg, requests)
@@ -262,7 +264,7 @@ def main(argv: list[str] | None = None) -> dict:
     variants = {"profile": costs}
     if args.serving_calibration == "on":
         variants["serving-calibrated"] = [scaled(c, s) for c, s in zip(costs, scales)]
-    result = {"benchmark": "sim_fidelity", "args": vars(args), "profiles": profiles,
+    result: dict[str, Any] = {"benchmark": "sim_fidelity", "args": vars(args), "profiles": profiles,
               "acceptance": acceptance, "machine": machine_info(), "real_wall_s": t_real,
               "serving_scales": scales, "variants": {}}
     for name, per_policy in variants.items():

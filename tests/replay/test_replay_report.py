@@ -7,11 +7,11 @@ import json
 import pytest
 
 from sloserve.replay.metrics import SloConfig
+from sloserve.replay.plots import cell_slug
 from sloserve.replay.records import PolicyRun, RequestRecord, SpecStats, StepSample
 from sloserve.replay.report import (
     Cell,
     build_report,
-    cell_slug,
     load_report,
     render_markdown,
     write_report,

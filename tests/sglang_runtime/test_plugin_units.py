@@ -17,7 +17,7 @@ from sloserve.runtime.config import EngineConfig
 from sloserve.sglang_plugin import settings
 from sloserve.sglang_plugin.controller import SGLangStepsPolicy, StepController
 from sloserve.sglang_plugin.launch import sglang_args
-from sloserve.slo import stated_slo, valid_slo
+from sloserve.slo import slos_into_custom_params, stated_slo, valid_slo
 from sloserve.spec_config import SpeculationConfig
 from sloserve.speculation import StepInfo
 
@@ -118,6 +118,17 @@ def test_request_slo_from_custom_params(value, want):
     sp = types.SimpleNamespace(custom_params={"tpot_slo": value})
     assert valid_slo(stated_slo(sp, "tpot_slo")) == want
     assert stated_slo(types.SimpleNamespace(custom_params=None), "tpot_slo") is None
+
+
+def test_slo_fields_move_into_custom_params():
+    """What SGLang's contract gate and SamplingParams see of sloserve's spelling."""
+    params = {"max_new_tokens": 4, "tpot_slo": 0.05, "ttft_slo": None,
+              "custom_params": {"tpot_slo": 9.0, "x": 1}}
+    moved = slos_into_custom_params(params)
+    assert moved == {"max_new_tokens": 4, "custom_params": {"tpot_slo": 0.05, "x": 1}}
+    assert params["tpot_slo"] == 0.05  # a copy
+    assert slos_into_custom_params({"ttft_slo": None}) == {}
+    assert stated_slo(moved, "tpot_slo") == stated_slo(params, "tpot_slo") == 0.05
 
 
 def test_launch_command_for_the_built_in_pair_on_cpu(monkeypatch):

@@ -155,11 +155,13 @@ def test_greedy_output_equals_plain_decoding(launched):
 def test_registry_policies_serve_greedy_output_equal_to_plain(launched, name):
     """--spec-policy fixed:3, lut and specserve-slo (any policy of the registry runs in the
     worker's session, issue #29): greedy output equals SGLang's plain decoding, alone and
-    batched, with a per-request SLO (custom_params.tpot_slo)."""
+    batched, with a per-request SLO in either spelling (sampling_params.tpot_slo or
+    custom_params.tpot_slo)."""
     prompts = _prompts(6, seed=61)
     want = [_gen(launched("plain"), p)["output_ids"] for p in prompts]
     spec = launched(name, alone=True)  # memory: the others stop (plain restarts on use)
-    got = [_gen(spec, p, custom_params={"tpot_slo": 5.0}) for p in prompts]
+    spellings = [{"tpot_slo": 5.0}, {"custom_params": {"tpot_slo": 5.0}}]
+    got = [_gen(spec, p, **spellings[i % 2]) for i, p in enumerate(prompts)]
     assert [g["output_ids"] for g in got] == want
     steps = [k for g in got for k in g["meta_info"]["sloserve_draft_steps"]]
     assert max(steps) > 0, steps
@@ -175,8 +177,11 @@ def test_draft_steps_fall_as_concurrency_rises(launched):
     worst-case rule: a step must fit the SLO even if nothing is accepted), so the batch
     drafts less."""
     server = launched("specserve")
-    plain = [_gen(server, p, custom_params={"tpot_slo": 1e-6})["meta_info"]
-             for p in _prompts(3, seed=29)]  # an SLO no draft fits: plain steps
+    # an SLO no draft fits, in both spellings (SGLang's contract gate takes sloserve's
+    # sampling_params.tpot_slo too): plain steps
+    tight = [{"tpot_slo": 1e-6}, {"custom_params": {"tpot_slo": 1e-6}}, {"tpot_slo": 1e-6}]
+    plain = [_gen(server, p, **tight[i])["meta_info"]
+             for i, p in enumerate(_prompts(3, seed=29))]
     assert all(set(m["sloserve_draft_steps"]) == {0} for m in plain)
     step = sorted(m["e2e_latency"] / m["completion_tokens"] for m in plain)[1]
     slo = 3.0 * step
@@ -201,7 +206,7 @@ def test_a_tight_request_slo_turns_speculation_off_for_its_batch(launched):
     out: dict[str, dict] = {}
     sends = {
         "long": lambda: _gen(server, long_ids, max_new=160),
-        "tight": lambda: _gen(server, tight_ids, max_new=24, custom_params={"tpot_slo": 0.0005}),
+        "tight": lambda: _gen(server, tight_ids, max_new=24, tpot_slo=0.0005),
     }
     threads = [threading.Thread(target=lambda n=n, f=f: out.update({n: f()}))
                for n, f in sends.items()]

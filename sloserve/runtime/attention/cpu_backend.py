@@ -67,7 +67,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         plan_prefills(meta, batch)
         return meta
 
-    def forward(self, q, k_cache, v_cache, meta: CpuAttnMeta, scale: float) -> torch.Tensor:
+    def forward(self, q, k_cache, v_cache, meta: TorchAttnMeta, scale: float) -> torch.Tensor:
+        assert isinstance(meta, CpuAttnMeta)  # from self.plan
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.small is not None:
             if self._kernel_applies(q, k_cache):
@@ -83,6 +84,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
                     out.copy_(o32)
             else:
                 if not meta.padded_planned:
+                    assert meta.batch is not None  # plan() keeps it when there are small ones
                     plan_small_padded(meta, meta.batch, meta.small)
                     meta.padded_planned = True
                 run_small_padded(q, k_cache, v_cache, meta, scale, out)

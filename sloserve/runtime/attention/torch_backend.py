@@ -43,6 +43,7 @@ class TorchAttnMeta:
     def folded_mask(self, group: int) -> torch.Tensor:
         """[Bs, 1, G * max_q, max_kv]: the mask repeated for each query head of a KV head."""
         if group not in self._folded:
+            assert self.mask is not None  # planned: there are small segments
             bs, mq, mkv = self.shape
             m = self.mask.expand(bs, group, mq, mkv).reshape(bs, 1, group * mq, mkv)
             self._folded[group] = m

@@ -26,8 +26,8 @@ from sloserve.bench.common import machine_info, print_table
 from sloserve.runtime.constraints import GrammarCompiler, GrammarState, RequestConstraints
 from sloserve.runtime.constraints.spec import grammar_spec
 from sloserve.runtime.penalties import PenaltyParams, TokenCounts, apply_penalties
-from sloserve.runtime.request import SamplingParams
 from sloserve.runtime.sampler import processed_probs
+from sloserve.runtime.sampling_params import SamplingParams
 
 SCHEMA = {
     "type": "object",
@@ -53,7 +53,8 @@ PENALTIES = PenaltyParams(frequency_penalty=0.3, presence_penalty=0.2, repetitio
 
 def _steps(ids: list[int], k: int, n: int) -> list[tuple[int, list[int], list[int]]]:
     """(start, drafts, emitted) per step, cycling over the document: 2 drafts accepted + 1."""
-    out, pos = [], 0
+    out: list[tuple[int, list[int], list[int]]] = []
+    pos = 0
     while len(out) < n:
         if pos + k + 1 > len(ids):
             pos = 0
@@ -62,7 +63,7 @@ def _steps(ids: list[int], k: int, n: int) -> list[tuple[int, list[int], list[in
     return out
 
 
-def _time(fn: Callable[[], None], reps: int) -> dict[str, float]:
+def _time(fn: Callable[[], object], reps: int) -> dict[str, float]:
     """Median wall and CPU microseconds per call. On a shared, oversubscribed machine the CPU
     time (this process's) is the steadier measure of the work itself."""
     wall, cpu = [], []
@@ -83,7 +84,9 @@ def run(k: int, steps: int, vocab_extra: int = 0) -> dict:
     V = len(tok) + vocab_extra
     comp = GrammarCompiler.from_hf(tok, V, [tok.eos_token_id])
     t0 = time.perf_counter()
-    grammar = comp.compile(grammar_spec(json_schema=json.dumps(SCHEMA)))
+    spec = grammar_spec(json_schema=json.dumps(SCHEMA))
+    assert spec is not None  # a schema was given
+    grammar = comp.compile(spec)
     compile_ms = (time.perf_counter() - t0) * 1e3
     ids = tok.encode(json.dumps(DOC), add_special_tokens=False)
     plan = _steps(ids, k, steps)

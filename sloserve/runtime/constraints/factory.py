@@ -11,7 +11,8 @@ from sloserve.runtime.constraints.compiler import CompiledGrammar, GrammarCompil
 from sloserve.runtime.constraints.grammar_state import GrammarState
 from sloserve.runtime.constraints.processing import RequestConstraints
 from sloserve.runtime.constraints.spec import grammar_spec
-from sloserve.runtime.request import InvalidRequest, SamplingParams
+from sloserve.runtime.errors import InvalidRequest
+from sloserve.runtime.sampling_params import SamplingParams
 
 
 class ConstraintFactory:

@@ -27,9 +27,10 @@ import torch
 
 from sloserve.runtime.constraints.bitmask import apply_
 from sloserve.runtime.constraints.grammar_state import GrammarState
+from sloserve.runtime.errors import InvalidRequest
 from sloserve.runtime.penalties import PenaltyParams, TokenCounts, apply_penalties, min_tokens_rows
-from sloserve.runtime.request import InvalidRequest, SamplingParams
 from sloserve.runtime.sampler import F32_MAX, processed_probs
+from sloserve.runtime.sampling_params import SamplingParams
 
 
 @dataclass
@@ -139,7 +140,8 @@ class RequestConstraints:
         self.counts = TokenCounts(vocab_size, prompt_ids) if needs else None
         self.stop_ids = torch.tensor(sorted({int(t) for t in stop_ids if 0 <= t < vocab_size}),
                                      dtype=torch.long)
-        self.bias = LogitBias(params.logit_bias, vocab_size) if params.logit_bias else None
+        bias = params.logit_bias  # normalised to ((token, bias), ...) by SamplingParams
+        self.bias = LogitBias(tuple(bias), vocab_size) if isinstance(bias, tuple) and bias else None
 
     @property
     def active(self) -> bool:

@@ -7,6 +7,7 @@ into one matmul each, and every layer reads the attention metadata carried on th
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,8 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 class Rotary(nn.Module):
+    cos: torch.Tensor  # buffers
+    sin: torch.Tensor
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         inv = rope_inv_freq(cfg.rope, cfg.head_dim)
@@ -53,7 +56,8 @@ class Rotary(nn.Module):
                 self.sin[positions].unsqueeze(1).to(dtype))
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def apply(  # type: ignore[override]  # the rotation, not nn.Module.apply(fn)
+            x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [T, heads, D]; rotate-half convention (first half pairs with second half)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
@@ -116,7 +120,7 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.rotary = Rotary(cfg)
         self.scale = cfg.head_dim**-0.5
-        self.cpu_ops = None  # torch.ops.sloserve_cpu when the fused CPU path is on
+        self.cpu_ops: Any = None  # torch.ops.sloserve_cpu when the fused CPU path is on
 
     def use_cpu_ops(self, ops) -> bool:
         """Run through the fused C++ CPU ops from now on, where they apply (float32 weights on
@@ -145,7 +149,8 @@ class LlamaModel(nn.Module):
         ops, eps, n = self.cpu_ops, self.cfg.rms_norm_eps, len(self.layers)
         cos, sin = self.rotary.cos[batch.positions], self.rotary.sin[batch.positions]  # [T, D/2]
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
-        for i, layer in enumerate(self.layers):
+        layer: DecoderLayer
+        for i, layer in enumerate(self.layers):  # type: ignore[assignment]  # a ModuleList
             mlp = layer.forward_fused(x, h, batch, cos, sin, kv, attn, self.scale, ops)
             if i + 1 < n:
                 x = ops.add_rms_norm(h, mlp, self.layers[i + 1].input_norm, eps)
