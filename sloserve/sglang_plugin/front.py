@@ -59,6 +59,9 @@ def create_front(upstream: str, limits: GuardLimits) -> Starlette:
             except Refused as e:
                 return _error(path, 400, str(e), e.param)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP}
+        # the client's own Accept-Encoding (none: identity), not httpx's gzip: the body is
+        # passed through as SGLang sent it, Content-Encoding included
+        headers["accept-encoding"] = request.headers.get("accept-encoding", "identity")
         req = client.build_request(request.method, path, params=request.query_params,
                                    headers=headers, content=raw)
         try:
