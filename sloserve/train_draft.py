@@ -412,7 +412,7 @@ def _autocast():
     return contextlib.nullcontext()
 
 
-def agreement(draft, records: list[dict], max_len: int = 512) -> dict:
+def agreement(draft, records: list[dict], max_len: int = 512, device=None) -> dict:
     """Greedy per-token top-1 agreement of the draft with the target on `records`, the
     target's greedy answers: at each answer position the target's argmax is the answer's
     next token, so agreement = the draft's argmax equals it (teacher-forced on the target's
@@ -420,11 +420,14 @@ def agreement(draft, records: list[dict], max_len: int = 512) -> dict:
     import torch
 
     res: dict[str, list[int]] = {}
-    with torch.no_grad(), _autocast():
+    amp = _autocast() if device is None or device.type == "cpu" else \
+        torch.autocast(device.type, dtype=torch.bfloat16)
+    with torch.no_grad(), amp:
         for k, r in enumerate(records):
             prompt = r["prompt_ids"]
             seq = (prompt + r["output_ids"])[:max_len]
-            ids, att, mask = _tensors([(k, seq, len(prompt))])
+            ids, att, mask = (t.to(device) if device is not None else t
+                              for t in _tensors([(k, seq, len(prompt))]))
             d = draft(input_ids=ids, attention_mask=att).logits[mask].argmax(-1)
             want = ids[0, len(prompt):len(seq)]
             a = res.setdefault(r["category"], [0, 0])
@@ -542,6 +545,260 @@ def export(job: Job, target, args) -> None:
     log.info("exported %s (%.1f MB) and %s", WEIGHTS, WEIGHTS.stat().st_size / 1e6, CARD)
 
 
+# ---------------------------------------------------------------- the accelerator flow
+#
+# With --device cuda the same recipe runs at GPU scale: the target (Hugging Face Llama, bf16)
+# answers every prompt --rounds times in large padded batches (round 0 greedy, later rounds
+# temperature 0.7), and the teacher's logits are computed live in each distillation step
+# instead of from a cache. Several drafts (--layers 2,4) train side by side on the same
+# teacher logits. Every phase has a wall-clock cap (--gen-minutes, --distil-minutes); the
+# sizes actually reached are written into status.json and the bundle.
+
+def load_prompt_records(path: Path, target_dir: Path, max_prompt: int) -> list[dict]:
+    """Prompt records with `prompt_ids` (tokenised here with the target's chat template
+    when the file has only messages); prompts longer than max_prompt tokens are dropped
+    (cutting one would cut its assistant header)."""
+    recs = read_answers(path)
+    if any("prompt_ids" not in r for r in recs):
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(target_dir))
+        for r in recs:
+            if "prompt_ids" not in r:
+                text = tok.apply_chat_template(r["messages"], add_generation_prompt=True,
+                                               tokenize=False)
+                r["prompt_ids"] = tok(text, add_special_tokens=False)["input_ids"]
+    return [r for r in recs if len(r["prompt_ids"]) <= max_prompt]
+
+
+def generate_batched(job: Job, target, prompts: list[dict], path: Path, rounds: int,
+                     max_new: int, kv_positions: int, deadline: float, seed: int) -> None:
+    """Append the target's answers (round 0 greedy, later rounds temperature 0.7) to `path`,
+    batches of similar prompt lengths with at most `kv_positions` padded positions each,
+    until every round is done or the deadline passes (checked between batches)."""
+    import torch
+    from transformers import GenerationConfig
+
+    eos = int(target.config.eos_token_id)
+    pad = int(target.config.pad_token_id if target.config.pad_token_id is not None else eos)
+    dev = next(target.parameters()).device
+    done = {json.loads(line)["id"] for line in path.read_text().splitlines()} \
+        if path.is_file() else set()
+    tokens = 0
+    order = sorted(prompts, key=lambda r: len(r["prompt_ids"]))
+    t0 = time.time()
+    for rnd in range(rounds):
+        greedy = rnd == 0
+        todo = [r for r in order if f"{r['id']}#{rnd}" not in done]
+        i = 0
+        while i < len(todo):
+            if time.time() > deadline:
+                log.info("generation stopped at its time cap (round %d, %d answer tokens)",
+                         rnd, tokens)
+                return
+            longest = len(todo[i]["prompt_ids"])
+            part: list[dict] = []
+            while i < len(todo):  # sorted: the last one added is the longest so far
+                longest = max(longest, len(todo[i]["prompt_ids"]))
+                if part and (len(part) + 1) * (longest + max_new) > kv_positions:
+                    break
+                part.append(todo[i])
+                i += 1
+            n = max(len(r["prompt_ids"]) for r in part)
+            ids = torch.full((len(part), n), pad, dtype=torch.long)
+            att = torch.zeros((len(part), n), dtype=torch.long)
+            for b, r in enumerate(part):  # left padding
+                ids[b, n - len(r["prompt_ids"]):] = torch.tensor(r["prompt_ids"])
+                att[b, n - len(r["prompt_ids"]):] = 1
+            torch.manual_seed(seed * 1000 + rnd * 100_003 + i)
+            gc = GenerationConfig(max_new_tokens=max_new, do_sample=not greedy,
+                                  temperature=0.7 if not greedy else None, top_k=None,
+                                  top_p=None, eos_token_id=eos, pad_token_id=pad)
+            with torch.no_grad():
+                out = target.generate(input_ids=ids.to(dev), attention_mask=att.to(dev),
+                                      generation_config=gc)[:, n:].tolist()
+            with open(path, "a") as f:
+                for r, o in zip(part, out):
+                    if eos in o:
+                        o = o[:o.index(eos) + 1]  # the answer ends with its EOS
+                    f.write(json.dumps({"id": f"{r['id']}#{rnd}", "category": r["category"],
+                                        "prompt_ids": r["prompt_ids"], "output_ids": o,
+                                        "greedy": greedy}) + "\n")
+                    tokens += len(o)
+            rate = tokens / max(time.time() - t0, 1e-9)
+            job.update(phase="generate", round=rnd, rounds=rounds, answered_in_round=i,
+                       prompts=len(order), new_answer_tokens=tokens,
+                       generate_tokens_per_s=round(rate, 1))
+            log.info("round %d: %d/%d prompts, %d answer tokens (%.0f tokens/s)", rnd, i,
+                     len(todo), tokens, rate)
+
+
+def _is_validation(rec_id: str) -> bool:
+    """3% of the training prompts (all their rounds) are kept apart to choose checkpoints."""
+    return hash_id(rec_id.split("#")[0]) % 100 < 3
+
+
+def distil_live(job: Job, target, answers: list[dict], evals: list[dict], layers: list[int],
+                args, deadline: float, on_check=None) -> dict:
+    """Train one draft per entry of `layers` on the same live teacher logits until
+    args.train_tokens answer tokens or the deadline. Returns {layers: best own state} (best
+    by agreement on the validation answers, checked every args.eval_every steps)."""
+    import torch
+    import torch.nn.functional as F
+
+    dev = next(target.parameters()).device
+    train = [r for r in answers if not _is_validation(r["id"])]
+    val = [r for r in answers if _is_validation(r["id"]) and r.get("greedy")][:200]
+    drafts = {n: make_draft(target, n).to(dev) for n in layers}
+    for d in drafts.values():  # own layers in float32 (autocast computes in bf16)
+        for p in d.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+        d.train()
+    opts = {n: torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=args.lr,
+                                 betas=(0.9, 0.98), weight_decay=0.01)
+            for n, d in drafts.items()}
+    best: dict[int, tuple[float, dict]] = {}
+    step, epoch, tokens_seen = 0, 0, 0
+    total = args.train_tokens
+    embed = target.model.embed_tokens.weight  # [V, hidden], shared and frozen
+    t0 = time.time()
+    amp = torch.autocast(dev.type, dtype=torch.bfloat16)
+
+    def check() -> dict:
+        res = {}
+        for n, d in drafts.items():
+            d.eval()
+            v = summarize(agreement(d, val, device=dev))["mean_over_categories"] if val else 0.0
+            e = summarize(agreement(d, evals, device=dev)) if evals else {}
+            d.train()
+            if n not in best or v >= best[n][0]:
+                best[n] = (v, own_state(d))
+            res[n] = {"validation": v, "held_out": e.get("mean_over_categories"),
+                      "held_out_per_category": e.get("per_category")}
+        if on_check is not None:  # e.g. write the best drafts so far where a caller wants them
+            on_check({n: b[1] for n, b in best.items()})
+        return res
+
+    while tokens_seen < total and time.time() < deadline:
+        batches = _batches(train, random.Random(args.seed * 1000 + epoch), args.max_len,
+                           args.batch_tokens)
+        for batch in batches:
+            if tokens_seen >= total or time.time() > deadline:
+                break
+            ids, att, mask = (t.to(dev) for t in _tensors(batch))
+            lr = args.lr * min(1.0, (step + 1) / 100) * (
+                0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, max(
+                    tokens_seen / total, (time.time() - t0) / max(deadline - t0, 1e-9))))))
+            with torch.no_grad(), amp:  # teacher log-probs [N, V]
+                h = target.model(input_ids=ids, attention_mask=att).last_hidden_state[mask]
+                t_logp = F.log_softmax((h @ embed.T).float(), -1)
+            stats = {}
+            for n, d in drafts.items():
+                for g in opts[n].param_groups:
+                    g["lr"] = lr
+                with amp:
+                    d_logits = d(input_ids=ids, attention_mask=att).logits[mask]
+                d_logp = F.log_softmax(d_logits.float(), -1)
+                loss = F.kl_div(d_logp, t_logp, log_target=True, reduction="batchmean")
+                opts[n].zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_([p for p in d.parameters() if p.requires_grad],
+                                               1.0)
+                opts[n].step()
+                with torch.no_grad():
+                    top1 = float((t_logp.argmax(-1) == d_logp.argmax(-1)).float().mean())
+                stats[n] = {"loss": round(loss.item(), 4), "batch_top1": round(top1, 4)}
+                del d_logits, d_logp, loss
+            tokens_seen += int(mask.sum())
+            step += 1
+            if step % 20 == 0:
+                rate = tokens_seen / max(time.time() - t0, 1e-9)
+                job.update(phase="distil", step=step, epoch=epoch, tokens=tokens_seen,
+                           train_tokens=total, lr=lr, drafts=stats,
+                           tokens_per_s=round(rate, 1))
+            if step % args.eval_every == 0:
+                res = check()
+                job.update(checks={str(n): r for n, r in res.items()}, check_step=step)
+                log.info("step %d, %d tokens, epoch %d: %s", step, tokens_seen, epoch,
+                         {n: (r["validation"], r["held_out"]) for n, r in res.items()})
+        else:
+            epoch += 1
+    res = check()
+    job.update(phase="distilled", step=step, epoch=epoch, tokens=tokens_seen,
+               checks={str(n): r for n, r in res.items()}, check_step=step,
+               best_validation={str(n): b[0] for n, b in best.items()})
+    log.info("distilled %d tokens in %d steps (%d epochs): %s", tokens_seen, step, epoch,
+             {n: r["held_out"] for n, r in res.items()})
+    return {n: b[1] for n, b in best.items()}
+
+
+def write_bundle(bundle: Path, job: Job, states: dict, answers_path: Path | None = None,
+                 max_file_bytes: int = 15 * 2**20) -> None:
+    """What a device run sends back: each draft's own weights in bf16, in files of at most
+    max_file_bytes (draft{L}-{k}.safetensors), the answers (gzip jsonl), status and log."""
+    import gzip
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    bundle.mkdir(parents=True, exist_ok=True)
+    for n, st in states.items():
+        part: dict = {}
+        size, k = 0, 0
+        for name in sorted(st):
+            t = st[name].to(torch.bfloat16).contiguous().cpu()
+            if part and size + t.numel() * 2 > max_file_bytes:
+                save_file(part, str(bundle / f"draft{n}-{k}.safetensors"))
+                part, size, k = {}, 0, k + 1
+            part[name] = t
+            size += t.numel() * 2
+        save_file(part, str(bundle / f"draft{n}-{k}.safetensors"))
+    if answers_path is not None and answers_path.is_file():
+        with open(answers_path, "rb") as src, gzip.open(bundle / "answers.jsonl.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    for name in ("status.json", "log.txt"):
+        if (job.out / name).is_file():
+            shutil.copy(job.out / name, bundle / name)
+
+
+def run_accelerated(job: Job, target_dir: Path, args) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    t0 = time.time()
+    dev = torch.device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.bfloat16)
+    target = target.to(dev).eval().requires_grad_(False)  # type: ignore[arg-type]
+    prompts_path = args.prompts or (job.out / "prompts.jsonl")
+    if not prompts_path.is_file():
+        prompts_path.write_text("".join(json.dumps(q) + "\n" for q in build_prompts(args.seed)))
+    prompts = load_prompt_records(prompts_path, target_dir, args.max_prompt)
+    answers_path = job.out / "answers.jsonl"
+    generate_batched(job, target, prompts, answers_path, args.rounds, args.max_new,
+                     args.kv_positions, t0 + args.gen_minutes * 60, args.seed)
+    answers = read_answers(answers_path)
+    job.update(answers=len(answers), answer_tokens=sum(len(r["output_ids"]) for r in answers),
+               generate_seconds=round(time.time() - t0, 1))
+    evals_path = args.evals or (job.out / "eval_answers.jsonl")
+    evals = read_answers(evals_path) if evals_path.is_file() else []
+    layers = [int(x) for x in str(args.layers).split(",")]
+    if args.bundle:
+        write_bundle(args.bundle, job, {}, answers_path)
+    states = distil_live(job, target, answers, evals, layers, args,
+                         time.time() + args.distil_minutes * 60,
+                         on_check=(lambda st: write_bundle(args.bundle, job, st))
+                         if args.bundle else None)
+    for n, st in states.items():
+        torch.save({"draft": st, "layers": n, "seed": args.seed, "tokens": job.status.get("tokens"),
+                    "step": job.status.get("step")}, job.out / f"draft{n}.pt")
+    job.update(phase="done", seconds=round(time.time() - t0, 1))
+    if args.bundle:
+        write_bundle(args.bundle, job, states)
+
+
 def main(argv: list[str] | None = None) -> int:
     from sloserve.runtime.models.builtin import cache_root
 
@@ -554,7 +811,24 @@ def main(argv: list[str] | None = None) -> int:
                    help="write the checkpoint's draft into sloserve/runtime/models/drafts/")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument("--layers", type=int, default=2, help="draft decoder layers")
+    p.add_argument("--layers", default="2",
+                   help="draft decoder layers (with --device cuda a list: 2,4 trains both)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: the accelerator flow (batched generation, live teacher)")
+    p.add_argument("--prompts", type=Path, default=None,
+                   help="(cuda) prompt records jsonl (messages or prompt_ids); default: built")
+    p.add_argument("--evals", type=Path, default=None,
+                   help="(cuda) held-out greedy answers jsonl; default: OUT/eval_answers.jsonl")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="(cuda) answers per prompt: round 0 greedy, then temperature 0.7")
+    p.add_argument("--max-prompt", type=int, default=768, help="(cuda) longest prompt kept")
+    p.add_argument("--kv-positions", type=int, default=600_000,
+                   help="(cuda) padded positions per generation batch")
+    p.add_argument("--gen-minutes", type=float, default=60.0, help="(cuda) generation cap")
+    p.add_argument("--distil-minutes", type=float, default=60.0, help="(cuda) training cap")
+    p.add_argument("--eval-every", type=int, default=500, help="(cuda) steps between checks")
+    p.add_argument("--bundle", type=Path, default=None,
+                   help="(cuda) also write the drafts (bf16, split) and answers here")
     p.add_argument("--gen-tokens", type=int, default=400_000,
                    help="answer tokens the target generates for training (budget)")
     p.add_argument("--max-new", type=int, default=256, help="longest answer generated")
@@ -576,6 +850,10 @@ def main(argv: list[str] | None = None) -> int:
     from sloserve.runtime.models.presets import resolve_dir
 
     target_dir = resolve_dir("smollm2")
+    if args.device != "cpu":
+        run_accelerated(job, target_dir, args)
+        return 0
+    args.layers = int(args.layers)
     if args.phase in ("all", "generate"):
         prompts = build_prompts(args.seed)
         (job.out / "prompts.jsonl").write_text("".join(json.dumps(q) + "\n" for q in prompts))

