@@ -1,6 +1,6 @@
 """OpenAI-compatible request bodies (/v1/completions, /v1/chat/completions).
 
-Honoured: `n`, `presence_penalty`, `frequency_penalty`, `logit_bias`, `response_format` (`json_object`,
+Honoured: `tools`, `tool_choice`, `parallel_tool_calls` (tool_plan.py), `n`, `presence_penalty`, `frequency_penalty`, `logit_bias`, `response_format` (`json_object`,
 `json_schema`), completions' `logprobs` and `echo`, chat's `logprobs` / `top_logprobs`,
 `stream_options.continuous_usage_stats`. Fields the server knows but cannot honour are
 accepted only at their neutral value (else a 400 naming them); unknown fields are accepted and
@@ -13,14 +13,16 @@ ignored (logged at debug level), as SGLang's and vLLM's OpenAI servers do. Exten
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from sloserve.runtime.constraints.spec import GrammarSpec, grammar_spec
 from sloserve.runtime.request import InvalidRequest, SamplingParams
 from sloserve.sglang_ext.errors import APIError
 from sloserve.sglang_ext.protocol import stream_interval
+from sloserve.sglang_ext.tool_plan import ToolChoice, ToolPlan, ToolSpec, plan_tools
 from sloserve.slo import request_slos
 
 # unknown keys are kept aside (model_extra), logged and ignored
@@ -113,6 +115,9 @@ class _Sampling(BaseModel):
         except InvalidRequest as e:
             raise APIError.bad(e.field, str(e).split(": ", 1)[1]) from None
 
+    def _skip_special(self) -> bool:
+        return self.skip_special_tokens
+
     def engine_params(self, max_new_tokens: int, logprobs: int | None = None) -> SamplingParams:
         """logprobs: None, or how many top log-probabilities per output token to record."""
         spec = self.grammar()
@@ -133,7 +138,7 @@ class _Sampling(BaseModel):
                 repetition_penalty=(1.0 if self.repetition_penalty is None
                                     else self.repetition_penalty),
                 logprobs=logprobs, n=self.n, min_p=self.min_p, logit_bias=self.logit_bias,
-                skip_special_tokens=self.skip_special_tokens,
+                skip_special_tokens=self._skip_special(),
                 spaces_between_special_tokens=self.spaces_between_special_tokens, **text,
             )
         except InvalidRequest as e:
@@ -191,17 +196,49 @@ class TextPart(BaseModel):
     text: str
 
 
+class CalledFunction(BaseModel):
+    model_config = STRICT
+
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # JSON text (OpenAI); an object is taken too
+
+
+class MessageToolCall(BaseModel):
+    model_config = STRICT
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = STRICT
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as a chat template takes it (tool call arguments as JSON text)."""
+        m: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            m["name"] = self.name
+        if self.tool_calls:
+            m["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": c.function.arguments
+                if isinstance(c.function.arguments, str)
+                else json.dumps(c.function.arguments, ensure_ascii=False)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            m["tool_call_id"] = self.tool_call_id
+        return m
 
 
 class ChatCompletionRequest(_Sampling):
@@ -210,12 +247,17 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: str | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     continue_final_message: bool = False
+    _plan: ToolPlan | None = PrivateAttr(default=None)
 
     def check(self) -> None:
+        for i, m in enumerate(self.messages):
+            if m.tool_calls and m.role != "assistant":
+                raise APIError.bad(f"messages[{i}].tool_calls", "only assistant messages "
+                                   "hold tool calls")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise APIError.bad("top_logprobs", "needs logprobs: true")
@@ -223,9 +265,6 @@ class ChatCompletionRequest(_Sampling):
                 raise APIError.bad("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got "
                                    f"{self.top_logprobs}")
         self._check_neutral({
-            "tools": (self.tools, (None, []), "tool calling is not supported"),
-            "tool_choice": (self.tool_choice, (None, "none", "auto"),
-                            "tool calling is not supported"),
             "continue_final_message": (self.continue_final_message, (False,),
                                        "continue_final_message is not supported"),
         })
@@ -233,6 +272,25 @@ class ChatCompletionRequest(_Sampling):
     @property
     def logprobs_k(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def plan_tools(self, parser: str | None) -> ToolPlan:
+        """The request's ToolPlan (tool_plan.py), kept for grammar() and engine_params()."""
+        self._plan = plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
+        if self._plan.grammar is not None and super().grammar() is not None:
+            raise APIError.bad("tool_choice", "\"required\" or a named function cannot be "
+                               "combined with response_format, regex, json_schema or ebnf")
+        return self._plan
+
+    def grammar(self) -> GrammarSpec | None:
+        if self._plan is not None and self._plan.grammar is not None:
+            return self._plan.grammar
+        return super().grammar()
+
+    def _skip_special(self) -> bool:
+        # as SGLang: special tokens stay in the text the tool-call parser reads (a format's
+        # marker may be one, e.g. llama3's <|python_tag|>)
+        reads = self._plan is not None and self._plan.reads == "text"
+        return self.skip_special_tokens and not reads
 
     @property
     def max_new(self) -> int | None:
