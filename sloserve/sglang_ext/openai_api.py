@@ -1,6 +1,8 @@
 """OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions (streaming with
 server-sent events ending `data: [DONE]`, `stream_options.include_usage`); `n` choices per
-prompt, `logprobs` (streamed with the tokens they belong to), completions' `echo`."""
+prompt, `logprobs` (streamed with the tokens they belong to), completions' `echo`; chat's
+tool calls (tool_plan.py: what is offered and how the answer is read; chat_prompt.py: the
+prompt; tool_calls.py: reading calls, whole and streamed)."""
 
 from __future__ import annotations
 
@@ -123,7 +125,8 @@ async def chat_completions(request: Request):
         raise APIError.bad("messages", "this model's tokenizer has no chat template; use "
                            "/v1/completions")
     msgs = [m.as_dict() for m in body.messages]
-    st.check_text_size(sum(len(json.dumps(m, ensure_ascii=False)) for m in msgs), "messages")
+    st.check_text_size(sum(len(json.dumps(m, ensure_ascii=False)) for m in msgs)
+                       + len(json.dumps(plan.offered, ensure_ascii=False)), "messages")
     try:
         text = await asyncio.to_thread(render, st.tokenizer, msgs, plan.offered, plan.fmt)
     except Exception as e:  # jinja raises for conversations a template forbids
