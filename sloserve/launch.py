@@ -26,7 +26,7 @@ from pathlib import Path
 from sloserve.listen import ListenError, bind
 from sloserve.runtime.config import EngineConfig
 from sloserve.runtime.scheduler import SchedulerConfig
-from sloserve.sglang_ext.http_options import HTTPOptions
+from sloserve.sglang_ext.http_options import TOOL_CALL_PARSERS, HTTPOptions
 from sloserve.spec_config import SpeculationConfig
 from sloserve.units import duration
 
@@ -66,7 +66,7 @@ def http_options(args: argparse.Namespace) -> HTTPOptions:
         allowed_origins=tuple(args.allowed_origins), max_body_bytes=args.max_request_body_bytes,
         body_timeout_s=args.request_body_timeout, header_timeout_s=args.request_header_timeout,
         max_n=args.max_n, max_batch_prompts=args.max_batch_prompts,
-        max_top_logprobs_num=args.max_top_logprobs_num)
+        max_top_logprobs_num=args.max_top_logprobs_num, tool_call_parser=args.tool_call_parser)
 
 
 def _existing_dir(text: str) -> str:
@@ -207,6 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "is closed)")
     h.add_argument("--request-body-timeout", type=_seconds, default=_HTTP.body_timeout_s,
                    help="seconds a request's body may take to arrive (then 408)")
+    h.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="how chat answers write tool calls (SGLang's names: qwen25 / qwen "
+                   "<tool_call>\\n{json}\\n</tool_call>, hermes <tool_call>{json}</tool_call>, "
+                   "llama3 <|python_tag|>{json}); needed for tool_choice \"auto\"; "
+                   "\"required\" and named choices work without it")
     h.add_argument("--log-level", default="info",
                    choices=("debug", "info", "warning", "error", "critical"),
                    help="logging level of the server and of uvicorn")

@@ -7,6 +7,8 @@ import ipaddress
 from dataclasses import dataclass
 
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+# --tool-call-parser: SGLang's names of the formats served (sglang_ext/tool_calls.py)
+TOOL_CALL_PARSERS = ("qwen25", "qwen", "hermes", "llama3")
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,13 @@ class HTTPOptions:
     max_n: int = 64
     max_batch_prompts: int = 256
     max_top_logprobs_num: int = 100
+    # how chat answers write tool calls (TOOL_CALL_PARSERS); None: tool_choice "auto" is a 400
+    tool_call_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser {self.tool_call_parser!r} is not one of "
+                             f"{', '.join(TOOL_CALL_PARSERS)}")
 
     def host_names(self) -> tuple[str, ...] | None:
         """The Host names accepted; None accepts any (a wildcard bind without a list)."""

@@ -1,6 +1,8 @@
 """OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions (streaming with
 server-sent events ending `data: [DONE]`, `stream_options.include_usage`); `n` choices per
-prompt, `logprobs` (streamed with the tokens they belong to), completions' `echo`."""
+prompt, `logprobs` (streamed with the tokens they belong to), completions' `echo`; chat's
+tool calls (tool_plan.py: what is offered and how the answer is read; chat_prompt.py: the
+prompt; tool_calls.py: reading calls, whole and streamed)."""
 
 from __future__ import annotations
 
@@ -11,17 +13,27 @@ import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from sloserve.runtime.async_engine import EngineDeadError, EngineFailure
 from sloserve.runtime.request import SamplingParams, expand_samples
+from sloserve.sglang_ext.chat_prompt import render
 from sloserve.sglang_ext.errors import APIError, parse_body
 from sloserve.sglang_ext.openai_logprobs import Entries, chat_logprobs, completion_logprobs
 from sloserve.sglang_ext.openai_protocol import ChatCompletionRequest, CompletionRequest
 from sloserve.sglang_ext.protocol import stream_interval
 from sloserve.sglang_ext.serving import Progress, ServingState, merge, until_disconnect
+from sloserve.sglang_ext.tool_calls import (
+    Call,
+    StreamedCalls,
+    call_id,
+    parse_call_array,
+    parse_calls,
+)
+from sloserve.sglang_ext.tool_plan import ToolPlan
 
 router = APIRouter(prefix="/v1")
 
@@ -108,20 +120,21 @@ async def chat_completions(request: Request):
     st = serving(request)
     body = await parse_body(request, ChatCompletionRequest)
     body.check()
+    plan = body.plan_tools(st.options.tool_call_parser)
     if not getattr(st.tokenizer, "chat_template", None):
         raise APIError.bad("messages", "this model's tokenizer has no chat template; use "
                            "/v1/completions")
-    msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
-    st.check_text_size(sum(len(m["content"]) for m in msgs), "messages")
+    msgs = [m.as_dict() for m in body.messages]
+    st.check_text_size(sum(len(json.dumps(m, ensure_ascii=False)) for m in msgs)
+                       + len(json.dumps(plan.offered, ensure_ascii=False)), "messages")
     try:
-        text = await asyncio.to_thread(st.tokenizer.apply_chat_template, msgs, tokenize=False,
-                                       add_generation_prompt=True)
+        text = await asyncio.to_thread(render, st.tokenizer, msgs, plan.offered, plan.fmt)
     except Exception as e:  # jinja raises for conversations a template forbids
         raise APIError.bad("messages", f"the chat template rejected them: {e}") from None
     max_field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
     jobs = await _jobs(st, body, [text], body.max_new, "messages", max_field)
     await _check_grammar(st, body, jobs)
-    return await _respond(request, st, body, jobs, chat=True)
+    return await _respond(request, st, body, jobs, chat=True, plan=plan)
 
 
 def _finish(prog: Progress | None) -> str | None:
@@ -154,7 +167,8 @@ def _output_entries(prog: Progress | None, lo: int = 0) -> Entries:
     return e
 
 
-async def _respond(request: Request, st: ServingState, body, jobs: list[Job], chat: bool):
+async def _respond(request: Request, st: ServingState, body, jobs: list[Job], chat: bool,
+                   plan: ToolPlan | None = None):
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     head = {"id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": st.model_name}
@@ -167,7 +181,7 @@ async def _respond(request: Request, st: ServingState, body, jobs: list[Job], ch
         usage = ("every" if opts and opts.continuous_usage_stats
                  else "last" if opts and opts.include_usage else None)
         events = _stream(st, jobs, head, chat, usage, k, echoed,
-                         stream_interval(body.stream_interval, "stream_interval"))
+                         stream_interval(body.stream_interval, "stream_interval"), plan)
         return StreamingResponse(events, media_type="text/event-stream")
     progs: list[Progress | None] = [None] * len(jobs)
 
@@ -184,7 +198,9 @@ async def _respond(request: Request, st: ServingState, body, jobs: list[Job], ch
         text = prog.text if prog is not None else ""
         c: dict = {"index": job.index, "logprobs": None, "finish_reason": _finish(prog)}
         if chat:
-            c["message"] = {"role": "assistant", "content": text}
+            c["message"], tool_finish = _message(text, plan)
+            if tool_finish and c["finish_reason"] == "stop":
+                c["finish_reason"] = "tool_calls"
             if k is not None:
                 c["logprobs"] = chat_logprobs(st.tokenizer, _output_entries(prog), k)
         else:
@@ -198,13 +214,30 @@ async def _respond(request: Request, st: ServingState, body, jobs: list[Job], ch
     return JSONResponse({**head, "choices": choices, "usage": _usage(jobs, progs)})
 
 
+def _message(text: str, plan: ToolPlan | None) -> tuple[dict, bool]:
+    """The assistant message of a whole answer, and whether it holds tool calls."""
+    calls: list[Call] = []
+    content: str | None = text
+    if plan is not None and plan.reads == "array":
+        calls = parse_call_array(text, plan.names)
+        content = None if calls else text
+    elif plan is not None and plan.reads == "text":
+        content, calls = parse_calls(plan.fmt, text, plan.names)
+    msg: dict = {"role": "assistant", "content": content}
+    if calls:
+        msg["tool_calls"] = [{"id": call_id(), "type": "function", "function": {
+            "name": c.name, "arguments": c.arguments}} for c in calls]
+    return msg, bool(calls)
+
+
 def _sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
 async def _stream(st: ServingState, jobs: list[Job], head: dict, chat: bool,
                   usage: str | None, k: int | None, echoed: dict[int, Entries],
-                  interval: int = 1) -> AsyncGenerator[bytes, None]:
+                  interval: int = 1, plan: ToolPlan | None = None
+                  ) -> AsyncGenerator[bytes, None]:
     """usage: None; "last" (include_usage: a final chunk with the usage); "every"
     (continuous_usage_stats: the usage so far in every chunk too, as vLLM and SGLang)."""
     head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
@@ -222,10 +255,22 @@ async def _stream(st: ServingState, jobs: list[Job], head: dict, chat: bool,
         offset[i] += sum(len(t) for t in lp["tokens"])
         return lp
 
+    # a choice's tool calls, read as the answer streams (plan.reads "text" or "array")
+    reading = plan is not None and plan.reads != "none"
+    readers = {j.index: StreamedCalls(None if plan.reads == "array" else plan.fmt, plan.names)
+               for j in jobs} if reading and plan is not None else {}
+
     def chunk(i: int, delta: str, finish: str | None, lp=None, first: bool = False) -> bytes:
         if chat:
-            d = {"role": "assistant", "content": delta} if first else (
-                {"content": delta} if delta or finish is None else {})
+            calls: list[dict] = []
+            if i in readers and not first:
+                delta, calls = readers[i].feed(delta, finish is not None)
+                if finish == "stop" and readers[i].calls:
+                    finish = "tool_calls"
+            d: dict[str, Any] = {"role": "assistant", "content": delta} if first else (
+                {"content": delta} if delta or (finish is None and not calls) else {})
+            if calls:
+                d["tool_calls"] = calls
             c = {"index": i, "delta": d, "logprobs": lp, "finish_reason": finish}
         else:
             c = {"index": i, "text": delta, "logprobs": lp, "finish_reason": finish}

@@ -1,26 +1,28 @@
 """OpenAI-compatible request bodies (/v1/completions, /v1/chat/completions).
 
-Honoured: `n`, `presence_penalty`, `frequency_penalty`, `logit_bias`, `response_format` (`json_object`,
-`json_schema`), completions' `logprobs` and `echo`, chat's `logprobs` / `top_logprobs`,
-`stream_options.continuous_usage_stats`. Fields the server knows but cannot honour are
-accepted only at their neutral value (else a 400 naming them); unknown fields are accepted and
-ignored (logged at debug level), as SGLang's and vLLM's OpenAI servers do. Extensions, SGLang's names (send them with the official client's
-`extra_body`): `top_k`, `min_p`, `min_tokens`, `skip_special_tokens`,
-`spaces_between_special_tokens`, `stream_interval`, `repetition_penalty`, `regex`, `json_schema`, `ebnf`,
-`ignore_eos`, `stop_token_ids`, `no_stop_trim`, and the per-request SLOs `tpot_slo` /
-`ttft_slo` in seconds.
+Served: `tools`, `tool_choice`, `parallel_tool_calls` (tool_plan.py), `response_format`
+(`json_object`, `json_schema`), completions' `logprobs` and `echo`, chat's `logprobs` /
+`top_logprobs`, `stream_options.continuous_usage_stats`, and the sampling options of the table
+in options.py, shared with /generate (SGLang's extensions among them, e.g. `top_k`, `min_p`,
+`regex`, `tpot_slo`: send them with the official client's `extra_body`). Options the table
+marks unserved are accepted only at their neutral value (else a 400 naming them); unknown
+fields are accepted and ignored (logged at debug level), as SGLang's and vLLM's OpenAI servers
+do.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from sloserve.runtime.constraints.spec import GrammarSpec, grammar_spec
 from sloserve.runtime.request import InvalidRequest, SamplingParams
 from sloserve.sglang_ext.errors import APIError
+from sloserve.sglang_ext.options import OPTIONS, check_unserved, engine_params
 from sloserve.sglang_ext.protocol import stream_interval
+from sloserve.sglang_ext.tool_plan import ToolChoice, ToolPlan, ToolSpec, plan_tools
 from sloserve.slo import request_slos
 
 # unknown keys are kept aside (model_extra), logged and ignored
@@ -78,30 +80,14 @@ class _Sampling(BaseModel):
     lora_path: Any = None
     custom_logit_processor: Any = None
     token_ids_logprob: Any = None
+    watermark: Any = None
     # no reasoning parser runs here: there is no reasoning text to separate, either way
     separate_reasoning: bool = True
     stream_reasoning: bool = True
 
-    def _check_neutral(self, extra: dict[str, tuple[Any, tuple, str]]) -> None:
-        checks = {
-            "stop_regex": (self.stop_regex, (None, "", []), "stop_regex is not supported; use "
-                           "stop strings"),
-            "structural_tag": (self.structural_tag, (None,), "structural_tag is not supported; "
-                               "use response_format, regex, json_schema or ebnf"),
-            "lora_path": (self.lora_path, (None,), "LoRA adapters are not supported"),
-            "custom_logit_processor": (self.custom_logit_processor, (None,),
-                                       "custom_logit_processor is not supported"),
-            "token_ids_logprob": (self.token_ids_logprob, (None, []), "token_ids_logprob is "
-                                  "served on /generate only"),
-            "return_hidden_states": (self.return_hidden_states, (False,),
-                                     "return_hidden_states is not supported"),
-            "custom_params": (request_slos(self)["custom_params"], (None,),
-                              "custom_params is not supported (but for tpot_slo, ttft_slo)"),
-            **extra,
-        }
-        for name, (value, ok, why) in checks.items():
-            if value not in ok:
-                raise APIError.bad(name, f"{why} (got {value!r})")
+    def _check_neutral(self) -> None:
+        """400 naming an option these endpoints do not serve that is set (options.py)."""
+        check_unserved("openai", lambda o: getattr(self, o.openai_name or "", o.neutral[0]))
         stream_interval(self.stream_interval, "stream_interval")
 
     def grammar(self) -> GrammarSpec | None:
@@ -113,32 +99,19 @@ class _Sampling(BaseModel):
         except InvalidRequest as e:
             raise APIError.bad(e.field, str(e).split(": ", 1)[1]) from None
 
+    def _skip_special(self) -> bool:
+        return self.skip_special_tokens
+
     def engine_params(self, max_new_tokens: int, logprobs: int | None = None) -> SamplingParams:
         """logprobs: None, or how many top log-probabilities per output token to record."""
+        values = {o.name: getattr(self, o.openai_name) for o in OPTIONS
+                  if "openai" in o.served and o.openai_name in type(self).model_fields}
         spec = self.grammar()
-        text: dict[str, Any] = {"regex": None, "json_schema": None, "ebnf": None}
+        values.update(regex=None, json_schema=None, ebnf=None, **_slos(self),
+                      skip_special_tokens=self._skip_special())
         if spec is not None:
-            text[spec.kind] = spec.text
-        try:
-            return SamplingParams(
-                max_new_tokens=max_new_tokens,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k,
-                seed=self.seed, stop=tuple([self.stop] if isinstance(self.stop, str)
-                                           else self.stop or ()),
-                stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-                no_stop_trim=self.no_stop_trim, **_slos(self),
-                min_new_tokens=self.min_tokens, frequency_penalty=self.frequency_penalty or 0.0,
-                presence_penalty=self.presence_penalty or 0.0,
-                repetition_penalty=(1.0 if self.repetition_penalty is None
-                                    else self.repetition_penalty),
-                logprobs=logprobs, n=self.n, min_p=self.min_p, logit_bias=self.logit_bias,
-                skip_special_tokens=self.skip_special_tokens,
-                spaces_between_special_tokens=self.spaces_between_special_tokens, **text,
-            )
-        except InvalidRequest as e:
-            name = _OPENAI_NAMES.get(e.field, e.field)
-            raise APIError.bad(name, str(e).split(": ", 1)[1]) from None
+            values[spec.kind] = spec.text
+        return engine_params("openai", values, max_new_tokens=max_new_tokens, logprobs=logprobs)
 
 
 def _slos(req: Any) -> dict[str, Any]:
@@ -147,7 +120,6 @@ def _slos(req: Any) -> dict[str, Any]:
     return {"tpot_slo": slos["tpot_slo"], "ttft_slo": slos["ttft_slo"]}
 
 
-_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 MAX_TOP_LOGPROBS = 20
 
 
@@ -163,10 +135,7 @@ class CompletionRequest(_Sampling):
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise APIError.bad("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got "
                                f"{self.logprobs}")
-        self._check_neutral({
-            "best_of": (self.best_of, (None, 1), "only best_of=1 is supported"),
-            "suffix": (self.suffix, (None, ""), "suffix is not supported"),
-        })
+        self._check_neutral()
 
     @property
     def logprobs_k(self) -> int | None:
@@ -191,17 +160,49 @@ class TextPart(BaseModel):
     text: str
 
 
+class CalledFunction(BaseModel):
+    model_config = STRICT
+
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # JSON text (OpenAI); an object is taken too
+
+
+class MessageToolCall(BaseModel):
+    model_config = STRICT
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = STRICT
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as a chat template takes it (tool call arguments as JSON text)."""
+        m: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            m["name"] = self.name
+        if self.tool_calls:
+            m["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": c.function.arguments
+                if isinstance(c.function.arguments, str)
+                else json.dumps(c.function.arguments, ensure_ascii=False)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            m["tool_call_id"] = self.tool_call_id
+        return m
 
 
 class ChatCompletionRequest(_Sampling):
@@ -210,29 +211,47 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: str | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     continue_final_message: bool = False
+    _plan: ToolPlan | None = PrivateAttr(default=None)
 
     def check(self) -> None:
+        for i, m in enumerate(self.messages):
+            if m.tool_calls and m.role != "assistant":
+                raise APIError.bad(f"messages[{i}].tool_calls", "only assistant messages "
+                                   "hold tool calls")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise APIError.bad("top_logprobs", "needs logprobs: true")
             if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
                 raise APIError.bad("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got "
                                    f"{self.top_logprobs}")
-        self._check_neutral({
-            "tools": (self.tools, (None, []), "tool calling is not supported"),
-            "tool_choice": (self.tool_choice, (None, "none", "auto"),
-                            "tool calling is not supported"),
-            "continue_final_message": (self.continue_final_message, (False,),
-                                       "continue_final_message is not supported"),
-        })
+        self._check_neutral()
 
     @property
     def logprobs_k(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def plan_tools(self, parser: str | None) -> ToolPlan:
+        """The request's ToolPlan (tool_plan.py), kept for grammar() and engine_params()."""
+        self._plan = plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
+        if self._plan.grammar is not None and super().grammar() is not None:
+            raise APIError.bad("tool_choice", "\"required\" or a named function cannot be "
+                               "combined with response_format, regex, json_schema or ebnf")
+        return self._plan
+
+    def grammar(self) -> GrammarSpec | None:
+        if self._plan is not None and self._plan.grammar is not None:
+            return self._plan.grammar
+        return super().grammar()
+
+    def _skip_special(self) -> bool:
+        # as SGLang: special tokens stay in the text the tool-call parser reads (a format's
+        # marker may be one, e.g. llama3's <|python_tag|>)
+        reads = self._plan is not None and self._plan.reads == "text"
+        return self.skip_special_tokens and not reads
 
     @property
     def max_new(self) -> int | None:

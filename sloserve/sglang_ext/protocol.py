@@ -1,14 +1,13 @@
 """SGLang's native `/generate` protocol (SGLang's `GenerateReqInput` and `SamplingParams`).
 
 Every key SGLang's frontend (`sglang.RuntimeEndpoint`) and its benchmark client send is
-accepted. Constrained decoding (`regex`, `json_schema`, `ebnf`), `min_new_tokens`, `n`, the
-three penalties and `no_stop_trim` are honoured (under speculation too); keys this server
-cannot honour are accepted only at their neutral value (e.g. `min_p: 0`,
-`structural_tag: null`) and any other value is a 400 naming the key. Unknown top-level keys
-are accepted and ignored (logged at debug level), as SGLang does: routers such as
-sglang-router re-serialise requests with fields of newer SGLang versions. Unknown keys inside
-`sampling_params` stay a 400 (SGLang rejects them too). Per-request SLOs are the sampling
-parameters `tpot_slo` and `ttft_slo`, in seconds.
+accepted. Which options are served and which are accepted only at their neutral value (any
+other value a 400 naming the key) is the table of options.py, shared with the OpenAI
+endpoints. Unknown top-level keys are accepted and ignored (logged at debug level), as SGLang
+does: routers such as sglang-router re-serialise requests with fields of newer SGLang
+versions. Unknown keys inside `sampling_params` stay a 400 (SGLang 0.5.23's API contract
+rejects them too). Per-request SLOs are the sampling parameters `tpot_slo` and `ttft_slo`, in
+seconds.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from pydantic import BaseModel, ConfigDict
 from sloserve.runtime.constraints.spec import grammar_spec
 from sloserve.runtime.request import InvalidRequest, SamplingParams
 from sloserve.sglang_ext.errors import APIError, from_invalid
+from sloserve.sglang_ext.options import BY_NAME, check_unserved, engine_params
 from sloserve.slo import request_slos
 
 STRICT = ConfigDict(extra="forbid", strict=True)
@@ -57,6 +57,9 @@ class SGLangSamplingParams(BaseModel):
     structural_tag: str | None = None
     logit_bias: dict[str, float] | None = None
     custom_params: dict[str, Any] | None = None
+    watermark: dict[str, Any] | None = None  # SGLang's; not served (options.py)
+    beam_width: int | None = None  # SGLang's; not served
+    choice: list[str] | None = None  # SGLang's; not served
     sampling_seed: int | None = None
     seed: int | None = None  # alias of sampling_seed
     tpot_slo: float | None = None  # seconds per output token this request asks for
@@ -64,48 +67,26 @@ class SGLangSamplingParams(BaseModel):
     stream_interval: int | None = None  # stream a chunk every this many tokens (None: 1)
 
 
-# (key, neutral value(s), why not) for keys accepted only at their neutral value
-_NEUTRAL: list[tuple[str, tuple, str]] = [
-    ("structural_tag", (None,), "constrained decoding (structural_tag) is not supported; use "
-     "regex, json_schema or ebnf"),
-    ("stop_regex", (None, "", []), "stop_regex is not supported; use stop strings"),
-    ("custom_params", (None, {}), "custom_params is not supported (but for tpot_slo, ttft_slo)"),
-]
-
-
 def to_engine_params(
     sp: SGLangSamplingParams, *, max_new_tokens: int, logprobs: int | None = None,
-    prefix: str = "sampling_params.", logprob_token_ids: list[int] | None = None,
+    logprob_token_ids: list[int] | None = None,
 ) -> SamplingParams:
-    """Engine sampling parameters; 400 naming the key for unsupported or out-of-range values.
-    `max_new_tokens` is the resolved (positive) token budget; `logprobs`: None, or the number
-    of top log-probabilities per output token the engine records (return_logprob)."""
-    slos = request_slos(sp)  # tpot_slo / ttft_slo directly or in custom_params (sloserve.slo)
-    for key, neutral, why in _NEUTRAL:
-        if slos.get(key, getattr(sp, key)) not in neutral:
-            raise APIError.bad(prefix + key, why)
+    """Engine sampling parameters; 400 naming the key for unsupported or out-of-range values
+    (options.py). `max_new_tokens` is the resolved (positive) token budget; `logprobs`: None,
+    or the number of top log-probabilities per output token the engine records."""
+    check_unserved("generate", lambda o: getattr(sp, o.name)
+                   if o.generate == "sampling_params" else None)
     if sp.seed is not None and sp.sampling_seed is not None and sp.seed != sp.sampling_seed:
-        raise APIError.bad(prefix + "seed", "differs from sampling_seed (give one of them)")
+        raise APIError.bad("sampling_params.seed", "differs from sampling_seed (give one of them)")
     try:
         grammar_spec(regex=sp.regex, json_schema=sp.json_schema, ebnf=sp.ebnf)
-        return SamplingParams(
-            max_new_tokens=max_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
-            top_k=sp.top_k, seed=sp.sampling_seed if sp.sampling_seed is not None else sp.seed,
-            stop=tuple([sp.stop] if isinstance(sp.stop, str) else sp.stop or ()),
-            stop_token_ids=tuple(sp.stop_token_ids or ()), ignore_eos=sp.ignore_eos,
-            no_stop_trim=sp.no_stop_trim, tpot_slo=slos["tpot_slo"], ttft_slo=slos["ttft_slo"],
-            min_new_tokens=sp.min_new_tokens, frequency_penalty=sp.frequency_penalty,
-            presence_penalty=sp.presence_penalty, repetition_penalty=sp.repetition_penalty,
-            regex=sp.regex, json_schema=sp.json_schema, ebnf=sp.ebnf, logprobs=logprobs,
-            n=sp.n, min_p=sp.min_p, logit_bias=sp.logit_bias,
-            skip_special_tokens=sp.skip_special_tokens,
-            spaces_between_special_tokens=sp.spaces_between_special_tokens,
-            logprob_token_ids=tuple(logprob_token_ids or ()),
-        )
     except InvalidRequest as e:
-        if e.field == "token_ids_logprob":
-            raise from_invalid(e, "") from None
-        raise from_invalid(e, prefix) from None
+        raise from_invalid(e, "sampling_params.") from None
+    slos = request_slos(sp)  # tpot_slo / ttft_slo directly or in custom_params (sloserve.slo)
+    values = {**sp.model_dump(), "tpot_slo": slos["tpot_slo"], "ttft_slo": slos["ttft_slo"],
+              "sampling_seed": sp.sampling_seed if sp.sampling_seed is not None else sp.seed,
+              "token_ids_logprob": logprob_token_ids}
+    return engine_params("generate", values, max_new_tokens=max_new_tokens, logprobs=logprobs)
 
 
 def stream_interval(value: int | None, name: str) -> int:
@@ -166,7 +147,10 @@ class GenerateRequest(BaseModel):
     return_bytes: Any = None
 
 
-_UNSUPPORTED_TOP = tuple(n for n, f in GenerateRequest.model_fields.items() if f.annotation is Any)
+# request fields of SGLang features that are not options (options.py has those): accepted only
+# at their neutral value
+_UNSUPPORTED_TOP = tuple(n for n, f in GenerateRequest.model_fields.items()
+                         if f.annotation is Any and n not in BY_NAME)
 
 
 @dataclass
@@ -199,6 +183,8 @@ def _per_item(value, n: int, default, name: str, batched: bool) -> list:
 
 def normalize(req: GenerateRequest) -> tuple[list[Item], bool]:
     """The request's prompts as Items, and whether it was a batch (the answer is a list)."""
+    check_unserved("generate", lambda o: getattr(req, o.name) if o.generate == "request"
+                   else None)
     for key in _UNSUPPORTED_TOP:
         value = getattr(req, key)
         if value is not None and value is not False and value not in (0, [], {}):

@@ -32,6 +32,7 @@ BAD = [
     (["--max-request-body-bytes", "0"], "--max-request-body-bytes"),
     (["--request-header-timeout", "0"], "--request-header-timeout"),
     (["--request-body-timeout", "soon"], "--request-body-timeout"),
+    (["--tool-call-parser", "qwen9"], "--tool-call-parser"),
 ]
 
 
@@ -82,3 +83,11 @@ def test_server_limits_and_access_options():
     assert default.api_key is None and default.allowed_origins == ()
     assert set(default.host_names()) == {"127.0.0.1", "localhost", "::1"}
     assert parse([]).scheduler.max_queued_requests is None
+
+
+def test_tool_call_parser_reaches_the_http_options():
+    parser = build_parser()
+    assert http_options(parser.parse_args([])).tool_call_parser is None
+    for name in ("qwen25", "qwen", "hermes", "llama3"):
+        assert http_options(parser.parse_args(["--tool-call-parser", name])).tool_call_parser \
+            == name

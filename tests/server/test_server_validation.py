@@ -119,7 +119,7 @@ CASES = [
     ("chat logit_bias beyond vocab", "/v1/chat/completions", {**CHAT,
      "logit_bias": {"999999": 1.0}}, 400, ["logit_bias", "vocabulary"]),
     ("chat tools", "/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400,
-     ["tools", "not supported"]),
+     ["tools[0].function", "is required"]),
     ("chat malformed JSON", "/v1/chat/completions", b"{oops", 400, ["malformed JSON"]),
     ("unknown route", "/no/such/route", {}, 404, ["Not Found", "/no/such/route"]),
 ]

@@ -149,6 +149,9 @@ def test_launch_command_for_the_built_in_pair_on_cpu(monkeypatch):
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and "cpu_shim" in env["PYTHONPATH"]
     plain, _ = sglang_args(["--spec-policy", "ar"])
     assert "--speculative-algorithm" not in plain and "--disable-overlap-schedule" not in plain
+    # SGLang's own options pass through untouched (SGLang serves --tool-call-parser itself)
+    tools, _ = sglang_args(["--tool-call-parser", "qwen25"])
+    assert tools[tools.index("--tool-call-parser") + 1] == "qwen25"
 
 
 def _per_request_step(ctl: StepController, rids: list[str], lens: list[int],
