@@ -64,8 +64,11 @@ def _top_k_top_p(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     top_p = top_p.to(logits.dtype).to(dev)
     if not ((top_k > 0).any() or (top_p < 1).any()):
         return probs
-    sorted_p, idx = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(probs.shape[-1], device=dev)
+    if bool((top_k > 0).all()):  # only the k largest can stay: rank those, not the vocabulary
+        sorted_p, idx = probs.topk(int(top_k.max()), dim=-1)  # [N, K], descending
+    else:
+        sorted_p, idx = probs.sort(dim=-1, descending=True)  # [N, V]
+    rank = torch.arange(sorted_p.shape[-1], device=dev)
     sorted_p = torch.where((top_k[:, None] > 0) & (rank[None, :] >= top_k[:, None]), 0.0, sorted_p)
     sorted_p = sorted_p / sorted_p.sum(-1, keepdim=True)
     before = sorted_p.cumsum(-1) - sorted_p  # mass of the strictly more likely tokens
