@@ -412,11 +412,13 @@ def _autocast():
     return contextlib.nullcontext()
 
 
-def agreement(draft, records: list[dict], max_len: int = 512, device=None) -> dict:
+def agreement(draft, records: list[dict], max_len: int = 4096, device=None) -> dict:
     """Greedy per-token top-1 agreement of the draft with the target on `records`, the
     target's greedy answers: at each answer position the target's argmax is the answer's
     next token, so agreement = the draft's argmax equals it (teacher-forced on the target's
-    path, exactly what greedy speculation accepts). {category: (agree, total)}."""
+    path, exactly what greedy speculation accepts). Sequences are cut at max_len tokens
+    (after the prompt: a prompt is never cut, a record whose prompt fills max_len would
+    count nothing). {category: (agree, total)}."""
     import torch
 
     res: dict[str, list[int]] = {}
@@ -527,22 +529,72 @@ def distil(job: Job, target, cache: TargetCache, answers: list[dict], evals: lis
     bar.close()
 
 
-def export(job: Job, target, args) -> None:
-    """Write the draft's own weights and card into the package's drafts/ folder."""
+def read_bundle(bundle: Path, layers: int) -> dict:
+    """A draft's own tensors from a device run's bundle (draft{L}-{k}.safetensors)."""
+    from safetensors.torch import load_file
+
+    files = sorted(bundle.glob(f"draft{layers}-*.safetensors"))
+    if not files:
+        raise SystemExit(f"error: no draft{layers}-*.safetensors in {bundle}")
+    state: dict = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def export(job: Job, target, args, evals: list[dict]) -> None:
+    """Write the draft's own weights (int8 per-row, smollm2_draft.pack_weights) and card into the package's drafts/ folder: from
+    the job's checkpoint, or with --from-bundle from a device run's bundle (the card then
+    records that run's status and --recipe-command). The held-out agreement on the card is
+    measured here, on this machine, at export."""
+    import platform
+
     import torch
     from safetensors.torch import save_file
 
-    from sloserve.runtime.models.smollm2_draft import CARD, DRAFTS_DIR, WEIGHTS
+    from sloserve.bench.common import cpu_model
+    from sloserve.runtime.models.smollm2_draft import (CARD, DRAFTS_DIR, WEIGHTS, pack_weights,
+                                                       unpack_weights)
 
-    ck = torch.load(job.out / "checkpoint.pt", weights_only=False)
+    if args.from_bundle:
+        layers = int(args.layers)
+        state = read_bundle(args.from_bundle, layers)
+        status = json.loads((args.from_bundle / "status.json").read_text())
+        made = {"status": status, "command": args.recipe_command,
+                "device": args.recipe_device}
+    else:
+        ck = torch.load(job.out / "checkpoint.pt", weights_only=False)
+        layers, state = ck["layers"], ck["draft"]
+        made = {"status": job.status, "seed": ck["seed"], "steps": ck["step"],
+                "distilled_tokens": ck["tokens"],
+                "command": "python -m sloserve.train_draft " + " ".join(sys.argv[1:])}
+    packed = pack_weights(state)
+    draft = make_draft(target, layers)
+    draft.load_state_dict(unpack_weights(packed), strict=False)  # measure what ships
+    ev = summarize(agreement(draft.eval(), evals)) if evals else None
     DRAFTS_DIR.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in ck["draft"].items()},
-              str(WEIGHTS), metadata={"format": "pt"})
-    card = {"num_hidden_layers": ck["layers"], "seed": ck["seed"], "steps": ck["step"],
-            "distilled_tokens": ck["tokens"], "status": job.status,
-            "command": "python -m sloserve.train_draft " + " ".join(sys.argv[1:])}
-    CARD.write_text(json.dumps(card, indent=1))
-    log.info("exported %s (%.1f MB) and %s", WEIGHTS, WEIGHTS.stat().st_size / 1e6, CARD)
+    save_file(packed, str(WEIGHTS), metadata={"format": "pt"})
+    card = {"num_hidden_layers": layers, "held_out_agreement": ev,
+            "held_out_agreement_measured_on": f"{cpu_model()} ({platform.machine()}), "
+                                              "bf16 autocast where the CPU has it",
+            "corpus": CORPUS_RECIPE, **made}
+    CARD.write_text(json.dumps(card, indent=1) + "\n")
+    log.info("exported %s (%.1f MB) and %s; held-out agreement %s", WEIGHTS,
+             WEIGHTS.stat().st_size / 1e6, CARD, ev and ev["mean_over_categories"])
+
+
+CORPUS_RECIPE = (
+    "prompts: build_prompts(seed 0) = the Spec-Bench questions of the training split (first "
+    "turns; the held-out split never trained on) + 700 functions of Python's standard library "
+    "(explain / type-hint / rewrite / test / find bugs) + 700 paragraphs of stdlib module "
+    "docstrings and installed packages' descriptions (summarise / extract / answer / "
+    "translate) + 300 templated arithmetic word problems + 300 writing and explanation "
+    "requests; prompts over 768 tokens dropped; answers: the target's own, up to 512 new "
+    "tokens, round 0 greedy, later rounds temperature 0.7; 3% of the prompts kept apart for "
+    "checkpoint choice; distillation: full-vocabulary KL(target || draft) on answer tokens "
+    "(prompt cut to its last 192 tokens), AdamW lr 1e-3, warm-up 100 steps, cosine to 10%, "
+    "16k-token batches; draft = target layers 0..L-1 as initialisation, the target's "
+    "embedding / tied LM head shared and frozen")
 
 
 # ---------------------------------------------------------------- the accelerator flow
@@ -827,6 +879,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gen-minutes", type=float, default=60.0, help="(cuda) generation cap")
     p.add_argument("--distil-minutes", type=float, default=60.0, help="(cuda) training cap")
     p.add_argument("--eval-every", type=int, default=500, help="(cuda) steps between checks")
+    p.add_argument("--from-bundle", type=Path, default=None,
+                   help="with --export: take the draft of --layers from a device run's bundle")
+    p.add_argument("--recipe-command", default="",
+                   help="with --from-bundle: the command that made the bundle (for the card)")
+    p.add_argument("--recipe-device", default="", help="with --from-bundle: where it ran")
     p.add_argument("--bundle", type=Path, default=None,
                    help="(cuda) also write the drafts (bf16, split) and answers here")
     p.add_argument("--gen-tokens", type=int, default=400_000,
@@ -850,6 +907,13 @@ def main(argv: list[str] | None = None) -> int:
     from sloserve.runtime.models.presets import resolve_dir
 
     target_dir = resolve_dir("smollm2")
+    if args.from_bundle:
+        if not args.export:
+            p.error("--from-bundle goes with --export")
+        evals_path = args.evals or (job.out / "eval_answers.jsonl")
+        export(job, load_target(target_dir), args,
+               read_answers(evals_path) if evals_path.is_file() else [])
+        return 0
     if args.device != "cpu":
         run_accelerated(job, target_dir, args)
         return 0
@@ -883,7 +947,7 @@ def main(argv: list[str] | None = None) -> int:
         job.update(phase="done", final_eval=ev)
         log.info("held-out agreement: %s", json.dumps(ev))
     if args.export:
-        export(job, target, args)
+        export(job, target, args, evals)
     return 0
 
 

@@ -2,7 +2,7 @@
 embedding (tied with the LM head) is the target's and is not shipped.
 
 The repository holds `drafts/smollm2-draft.safetensors` (the draft's decoder layers and final
-norm, Hugging Face names) and `drafts/smollm2-draft.json` (its config.json fields, and the
+norm, Hugging Face names; matrices int8 with per-row scales, see pack_weights) and `drafts/smollm2-draft.json` (its config.json fields, and the
 recipe that produced it: command, corpus, data sizes, measured agreement). `ensure_draft`
 assembles an ordinary Hugging Face directory from those and the converted target's
 embedding and tokenizer, once, under the target's cache, with a manifest (a broken one is
@@ -26,6 +26,41 @@ WEIGHTS = DRAFTS_DIR / "smollm2-draft.safetensors"
 CARD = DRAFTS_DIR / "smollm2-draft.json"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "chat_template.jinja", "generation_config.json")
+
+
+def pack_weights(state: dict) -> dict:
+    """The shipped form of the draft's own tensors: each matrix as int8 with one float32
+    scale per row (`name` int8 [rows, cols], `name.scale` float32 [rows]; scale = the row's
+    largest magnitude / 127), vectors (norms) as bf16. Halves the bf16 size; a draft only
+    proposes tokens, so its precision never changes what is served, only how often a draft
+    token is accepted (the card's agreement is measured on the unpacked weights)."""
+    import torch
+
+    out = {}
+    for name, t in state.items():
+        t = t.detach().float()
+        if t.dim() == 2:
+            scale = (t.abs().amax(dim=1) / 127).clamp_min(1e-12)
+            out[name] = torch.round(t / scale[:, None]).clamp(-127, 127).to(torch.int8)
+            out[name + ".scale"] = scale.contiguous()
+        else:
+            out[name] = t.to(torch.bfloat16).contiguous()
+    return out
+
+
+def unpack_weights(packed: dict) -> dict:
+    """float32 tensors under Hugging Face names from pack_weights' form."""
+    import torch
+
+    out = {}
+    for name, t in packed.items():
+        if name.endswith(".scale"):
+            continue
+        if t.dtype == torch.int8:
+            out[name] = t.float() * packed[name + ".scale"].float()[:, None]
+        else:
+            out[name] = t.float()
+    return out
 
 
 def shipped_draft() -> Path | None:
@@ -86,7 +121,7 @@ def ensure_draft(root: Path, target_dir: Path) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=".building-draft-", dir=root))
     t0 = time.perf_counter()
     try:
-        write_draft_dir(staging / "draft", target_dir, load_file(str(weights)),
+        write_draft_dir(staging / "draft", target_dir, unpack_weights(load_file(str(weights))),
                         int(card["num_hidden_layers"]))
         try:
             os.rename(staging / "draft", out)
