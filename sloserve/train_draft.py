@@ -553,8 +553,13 @@ def export(job: Job, target, args, evals: list[dict]) -> None:
     from safetensors.torch import save_file
 
     from sloserve.bench.common import cpu_model
-    from sloserve.runtime.models.smollm2_draft import (CARD, DRAFTS_DIR, WEIGHTS, pack_weights,
-                                                       unpack_weights)
+    from sloserve.runtime.models.smollm2_draft import (
+        CARD,
+        DRAFTS_DIR,
+        WEIGHTS,
+        pack_weights,
+        unpack_weights,
+    )
 
     if args.from_bundle:
         layers = int(args.layers)

@@ -16,7 +16,7 @@ from scipy.stats import chisquare
 
 from sloserve.runtime.request import SamplingParams
 from sloserve.runtime.sampler import draw, processed_probs
-from sloserve.runtime.spec import acceptance
+from sloserve.verifier import acceptance
 
 ALPHA = 0.01
 SETTINGS = [SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, top_p=0.9)]

@@ -40,9 +40,9 @@ from sloserve.estimator.acceptance import ConfidenceCalibrator, chain_probs
 from sloserve.estimator.cost_model import CostModel
 from sloserve.estimator.efficiency import binding_slo
 from sloserve.estimator.step_time import StepTimer
-from sloserve.policies.specserve.elimination import eliminate_padded, eliminate_plan
 from sloserve.policies.specserve.options import COLLAPSE, COUNT_EMA, SpecServeOptions
 from sloserve.speculation import SpecPlan, StepInfo
+from sloserve.verifier.elimination import eliminate_padded, eliminate_plan
 
 # prefix sums without ndarray.cumsum's dispatch overhead (~1 us per call at B = 64; a plan
 # runs a few per draft forward)
