@@ -29,7 +29,7 @@ from sloserve.runtime.drafter.rounds import (
 from sloserve.runtime.engine_setup import EngineParts
 from sloserve.runtime.logprobs import TokenLogprobs, token_logprobs
 from sloserve.runtime.request import FinishReason, Request, Status
-from sloserve.runtime.sampler import draw, processed_probs
+from sloserve.runtime.sampler import processed_probs
 from sloserve.runtime.scheduler import Scheduler
 from sloserve.runtime.stats import EngineStats
 from sloserve.runtime.step_books import (
@@ -41,7 +41,7 @@ from sloserve.runtime.step_books import (
     take_draft_prefill,
 )
 from sloserve.speculation import SpecSession
-from sloserve.verifier.acceptance import greedy_accept, speculative_accept
+from sloserve.verifier.acceptance import draw, greedy_accept, speculative_accept
 
 Touched = tuple[Request, list[int], str]  # request, new token ids, new text
 log = logging.getLogger(__name__)

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from sloserve.runtime.sampler import draw, processed_distribution
-from sloserve.verifier.acceptance import speculative_accept
+from sloserve.runtime.sampler import processed_distribution
+from sloserve.verifier.acceptance import draw, speculative_accept
 
 
 def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,

@@ -13,7 +13,15 @@ from collections.abc import Sequence
 
 import torch
 
-from sloserve.runtime.sampler import draw, uniform
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from probs [V] using the request's generator (or the global one): the
+    draw of acceptance and of the sampler (runtime/sampler.py), one stream per request."""
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def uniform(generator: torch.Generator | None) -> float:
+    return float(torch.rand((), generator=generator).item())
 
 
 def greedy_accept(draft: Sequence[int], target_argmax: Sequence[int]) -> list[int]:

@@ -22,7 +22,8 @@ from sloserve.runtime.drafter.ngram import NgramIndex
 from sloserve.runtime.drafter.rounds import DraftRound
 from sloserve.runtime.model_runner import ModelRunner
 from sloserve.runtime.request import Request
-from sloserve.runtime.sampler import draw, processed_probs
+from sloserve.runtime.sampler import processed_probs
+from sloserve.verifier.acceptance import draw
 
 
 class ModelDrafter:
