@@ -48,8 +48,7 @@ log = logging.getLogger("sloserve.train_draft")
 
 def spec_bench():
     """The Spec-Bench questions beside the checkout ([] where absent)."""
-    from sloserve.bench.common import SHARED_PROMPTS
-    from sloserve.replay.specbench import load_spec_bench
+    from sloserve.replay.specbench import SHARED_PROMPTS, load_spec_bench
 
     return load_spec_bench(SHARED_PROMPTS) if SHARED_PROMPTS.is_file() else []
 

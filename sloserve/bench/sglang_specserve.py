@@ -48,7 +48,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from sloserve.bench.common import machine_info, ordinary_prompts, print_table, write_json
+from sloserve.bench.common import machine_info, print_table, write_json
+from sloserve.replay.specbench import ordinary_prompts
 from sloserve.sglang_cpu.cpu_server import stop_server, wait_ready
 
 REPO = Path(__file__).resolve().parents[2]
