@@ -31,13 +31,13 @@ from typing import Any
 import numpy as np
 
 from sloserve.bench.common import machine_info, print_table, write_json
+from sloserve.cli.targets import make_target
 from sloserve.estimator.profile_file import read_profile
 from sloserve.replay.metrics import SloConfig, summarize_run
 from sloserve.replay.records import ReplayRequest
 from sloserve.replay.runner import run_policies
 from sloserve.replay.specbench import ordinary_prompts
 from sloserve.replay.synthetic import poisson_arrivals
-from sloserve.replay.targets import make_target
 from sloserve.runtime.config import EngineConfig
 from sloserve.sim.acceptance import load_acceptance
 from sloserve.sim.target import SimTarget

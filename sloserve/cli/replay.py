@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from sloserve.cli.targets import TARGET_KINDS, make_target
 from sloserve.replay.formats import FORMATS, load_trace
 from sloserve.replay.metrics import SloConfig
 from sloserve.replay.prompts import PromptSource, SyntheticIdsSource, SyntheticTextSource
@@ -30,7 +31,7 @@ from sloserve.replay.runner import run_policies
 from sloserve.replay.shaping import Scaling
 from sloserve.replay.specbench import SpecBenchSource, load_spec_bench
 from sloserve.replay.synthetic import gamma_arrivals, parse_length_dist, synthetic_trace
-from sloserve.replay.targets import TARGET_KINDS, Target, make_target
+from sloserve.replay.targets import Target
 from sloserve.replay.trace import TraceRequest
 from sloserve.replay.workload import Workload, load_levels, make_workload
 from sloserve.runtime.models.presets import default_drafter

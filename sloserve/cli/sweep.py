@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sloserve.cli.targets import make_target
 from sloserve.replay.formats import load_trace
 from sloserve.replay.metrics import SloConfig
 from sloserve.replay.prompts import PromptSource, SyntheticIdsSource
@@ -41,7 +42,6 @@ from sloserve.replay.slo_mix import DEFAULT_MIX, parse_mix
 from sloserve.replay.sweep_cells import SweepCell, burst, make_cell
 from sloserve.replay.sweep_report import SCHEMA, write_sweep
 from sloserve.replay.sweep_stats import aggregate, run_stats
-from sloserve.replay.targets import make_target
 from sloserve.replay.trace import describe
 
 DEFAULT_POLICIES = "ar,fixed:1,fixed:3,goodput,lut,adaserve,specserve,specserve-slo"
