@@ -19,7 +19,7 @@ next prediction already uses it. Requests whose chain probability fell below COL
 the draft batch.
 
 Verify (`verify_lengths`): the tails with the lowest chain probabilities go while removing
-one raises E (elimination.py), always a suffix of each request's draft.
+one raises E (verifier/elimination.py), always a suffix of each request's draft.
 
 State (arrays indexed by batch row, [B]; P position-major):
     pred     predicted acceptance of each request's next draft token
