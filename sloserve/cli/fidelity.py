@@ -202,7 +202,8 @@ def _spec(side: dict, key: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m sloserve.sim.fidelity", allow_abbrev=False,
+                                 description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--requests", type=int, default=20)
     ap.add_argument("--rate", type=float, default=0.5, help="Poisson arrivals, req/s")

@@ -25,8 +25,8 @@ from sloserve.runtime.models.presets import default_drafter
 
 def main(argv=None) -> Path:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False)
+        prog="python -m sloserve.profiler", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     ap.add_argument("--model-path", "--model", default=None, help="target model: a directory "
                    "or a preset (builtin, smollm2; default: builtin)")
     ap.add_argument("--draft-model-path", default=None, help="draft model directory "
