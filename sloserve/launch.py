@@ -26,7 +26,7 @@ from pathlib import Path
 from sloserve.listen import ListenError, bind
 from sloserve.runtime.config import EngineConfig
 from sloserve.runtime.scheduler import SchedulerConfig
-from sloserve.sglang_ext.http_options import TOOL_CALL_PARSERS, HTTPOptions
+from sloserve.server.http_options import TOOL_CALL_PARSERS, HTTPOptions
 from sloserve.spec_config import SpeculationConfig
 from sloserve.units import duration
 
@@ -312,7 +312,7 @@ def _engine_choice(argv: list[str]) -> tuple[str, list[str]]:
               "sglang)", file=sys.stderr)
         raise SystemExit(2)
     if engine == "auto":
-        from sloserve.sglang_plugin.launch import sglang_runtime_available
+        from sloserve.cli.sglang_launch import sglang_runtime_available
 
         engine = "sglang" if sglang_runtime_available() else "builtin"
     return engine, rest
@@ -321,7 +321,7 @@ def _engine_choice(argv: list[str]) -> tuple[str, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     engine_name, argv = _engine_choice(sys.argv[1:] if argv is None else list(argv))
     if engine_name == "sglang":
-        from sloserve.sglang_plugin.launch import main as sglang_main
+        from sloserve.cli.sglang_launch import main as sglang_main
 
         return sglang_main(argv)
     parser = build_parser()
@@ -337,8 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from sloserve.runtime.engine import Engine
-    from sloserve.sglang_ext.app import create_app
-    from sloserve.sglang_ext.http_protocol import with_header_timeout
+    from sloserve.server.app import create_app
+    from sloserve.server.http_protocol import with_header_timeout
 
     log = logging.getLogger("sloserve.launch")
     log.info("starting the engine (the first start builds the built-in pair and compiles the "

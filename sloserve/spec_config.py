@@ -2,7 +2,7 @@
 
 The built-in engine's EngineConfig takes its defaults from here, and `python -m
 sloserve.launch --engine sglang` hands the same value to SGLang's processes serialised as
-one JSON string (sglang_plugin/settings.py), so a policy, its k_max, its default SLOs and
+one JSON string (sglang_ext/settings.py), so a policy, its k_max, its default SLOs and
 its options mean the same in both engines.
 """
 

@@ -22,7 +22,7 @@ question every plan answers, instead of calling extend, and reports [B, 0] confi
 
 Callers do not write this loop themselves: `SpecSession` is one step of it, an object made
 from the policy and the StepInfo that the caller drives. The built-in engine and the
-simulator pull (runtime/spec/rounds.py `draft_rounds`: the loop asks the session after each
+simulator pull (runtime/drafter/rounds.py `draft_rounds`: the loop asks the session after each
 round), SGLang's worker pushes (its draft forwards call `after_round` from inside SGLang's
 draft loop, the session travelling on SGLang's batch); both end in `finish`, the one place
 a VerifyOutcome is built and the policy observes it.
@@ -33,7 +33,7 @@ step.k_max). `confidences[r, j]` is the drafter's probability of the token it pr
 draft position j (the draft model's processed distribution, or the n-gram drafter's
 empirical frequency), NaN where request r did not draft position j. A request that stops
 drafting never restarts within the step (the built-in engine's and the simulator's loop:
-sloserve/runtime/spec/rounds.py). Policies see only CPU-side numbers (numpy arrays),
+sloserve/runtime/drafter/rounds.py). Policies see only CPU-side numbers (numpy arrays),
 never tensors or models, so each is tested without a model. Request-level state is keyed by
 request id and dropped on `release`. The design and its math: docs/design.md.
 """
@@ -156,7 +156,7 @@ class SpecSession:
 
     or, for a caller that fixes one length for the batch before drafting,
     `batch_rounds()` (or `fix_rounds(k)`) instead of after_round / verify_lengths. A pull
-    caller loops over the session (runtime/spec/rounds.py); a push caller calls it from its
+    caller loops over the session (runtime/drafter/rounds.py); a push caller calls it from its
     own loop (SGLang's draft forwards). Both see the same decisions for the same inputs."""
 
     def __init__(self, policy: SpecPolicy, step: StepInfo) -> None:

@@ -48,8 +48,7 @@ log = logging.getLogger("sloserve.train_draft")
 
 def spec_bench():
     """The Spec-Bench questions beside the checkout ([] where absent)."""
-    from sloserve.bench.common import SHARED_PROMPTS
-    from sloserve.replay.specbench import load_spec_bench
+    from sloserve.replay.specbench import SHARED_PROMPTS, load_spec_bench
 
     return load_spec_bench(SHARED_PROMPTS) if SHARED_PROMPTS.is_file() else []
 
@@ -553,8 +552,13 @@ def export(job: Job, target, args, evals: list[dict]) -> None:
     from safetensors.torch import save_file
 
     from sloserve.bench.common import cpu_model
-    from sloserve.runtime.models.smollm2_draft import (CARD, DRAFTS_DIR, WEIGHTS, pack_weights,
-                                                       unpack_weights)
+    from sloserve.runtime.models.smollm2_draft import (
+        CARD,
+        DRAFTS_DIR,
+        WEIGHTS,
+        pack_weights,
+        unpack_weights,
+    )
 
     if args.from_bundle:
         layers = int(args.layers)

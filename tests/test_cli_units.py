@@ -49,7 +49,7 @@ def test_launch_refuses_abbreviated_options():
 
 
 def test_sglang_launcher_refuses_abbreviations_and_bare_slos():
-    from sloserve.sglang_plugin.launch import build_parser
+    from sloserve.cli.sglang_launch import build_parser
 
     parser = build_parser()
     # SGLang's own options pass through unknown, so an abbreviation must not be expanded
@@ -80,7 +80,7 @@ def test_every_parser_refuses_abbreviations():
 
 
 def test_profiler_and_replay_refuse_abbreviations():
-    from sloserve.replay.__main__ import build_parser
+    from sloserve.cli.replay import build_parser
 
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["--tpot", "30"])

@@ -20,7 +20,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from sloserve.bench.common import SHARED_PROMPTS, machine_info, print_table, write_json
+from sloserve.bench.common import machine_info, print_table, write_json
+from sloserve.replay.specbench import SHARED_PROMPTS
 from sloserve.runtime.config import EngineConfig
 from sloserve.runtime.engine import Engine
 from sloserve.runtime.request import SamplingParams

@@ -23,8 +23,9 @@ import time
 import numpy as np
 import torch
 
-from sloserve.bench.common import machine_info, ordinary_prompts, print_table, write_json
+from sloserve.bench.common import machine_info, print_table, write_json
 from sloserve.policies.registry import make_policy
+from sloserve.replay.specbench import ordinary_prompts
 from sloserve.runtime.batch import Segment
 from sloserve.runtime.config import EngineConfig
 from sloserve.runtime.engine import Engine

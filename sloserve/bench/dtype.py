@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from sloserve.bench.common import machine_info, ordinary_prompts, print_table, write_json
+from sloserve.bench.common import machine_info, print_table, write_json
+from sloserve.replay.specbench import ordinary_prompts
 from sloserve.runtime.config import EngineConfig
 from sloserve.runtime.engine import Engine
 from sloserve.runtime.request import SamplingParams

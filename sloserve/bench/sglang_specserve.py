@@ -48,8 +48,9 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from sloserve.bench.common import machine_info, ordinary_prompts, print_table, write_json
-from sloserve.sglang_plugin.cpu_server import stop_server, wait_ready
+from sloserve.bench.common import machine_info, print_table, write_json
+from sloserve.replay.specbench import ordinary_prompts
+from sloserve.sglang_cpu.cpu_server import stop_server, wait_ready
 
 REPO = Path(__file__).resolve().parents[2]
 SYSTEMS = ("plain", "standalone:1", "standalone:3", "specserve", "specserve:per-request")

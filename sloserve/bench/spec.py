@@ -28,8 +28,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from sloserve.bench.common import machine_info, ordinary_prompts, print_table, write_json
+from sloserve.bench.common import machine_info, print_table, write_json
 from sloserve.policies.registry import make_policy
+from sloserve.replay.specbench import ordinary_prompts
 from sloserve.runtime.config import EngineConfig
 from sloserve.runtime.engine import Engine
 from sloserve.runtime.kv_cache import BlockAllocator, KVStorage

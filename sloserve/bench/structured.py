@@ -27,8 +27,9 @@ import statistics
 
 import jsonschema
 
-from sloserve.bench.common import machine_info, ordinary_prompts, print_table, write_json
+from sloserve.bench.common import machine_info, print_table, write_json
 from sloserve.bench.spec import ClosedLoop, policy_engine, run_loops, run_once
+from sloserve.replay.specbench import ordinary_prompts
 from sloserve.runtime.config import EngineConfig
 from sloserve.runtime.engine import Engine
 from sloserve.runtime.request import SamplingParams

@@ -114,10 +114,10 @@ def measure_drafting(engine, draft_cost: ForwardCost, k: int = 4, prompts: int =
     which the SpecServe policy starts its online map from, and the median seconds a draft
     round costs in the engine beyond the fitted forward (building segments, picking tokens
     and confidences), which belong in the draft's per-forward cost c."""
-    from sloserve.bench.common import ordinary_prompts
     from sloserve.estimator.acceptance import ConfidenceCalibrator
     from sloserve.estimator.step_time import draft_lag, draft_time
     from sloserve.policies.fixed import FixedPolicy
+    from sloserve.replay.specbench import ordinary_prompts
     from sloserve.runtime.engine import Engine
     from sloserve.runtime.request import SamplingParams
 

@@ -2,7 +2,8 @@
 
 Pipeline: load_trace / synthetic_trace -> apply_scaling (Scaling) -> build_requests
 (PromptSource) -> Target.run (open loop) -> PolicyRun -> summarize_run -> write_report.
-CLI: python -m sloserve.replay --help.
+CLI: python -m sloserve.replay --help (sloserve/cli/replay.py; its target factory:
+cli/targets.py).
 """
 
 from sloserve.replay.formats import FORMATS, detect_format, load_trace, write_native
@@ -31,7 +32,7 @@ from sloserve.replay.report import Cell, build_report, render_markdown, write_re
 from sloserve.replay.shaping import Scaling, apply_scaling, time_scale_for_rate
 from sloserve.replay.specbench import SpecBenchSource, load_spec_bench
 from sloserve.replay.synthetic import gamma_arrivals, parse_length_dist, poisson_arrivals
-from sloserve.replay.targets import Target, make_target
+from sloserve.replay.targets import Target
 from sloserve.replay.trace import TraceFormatError, TraceRequest, describe
 
 __all__ = [
@@ -61,7 +62,6 @@ __all__ = [
     "gamma_arrivals",
     "load_spec_bench",
     "load_trace",
-    "make_target",
     "parse_length_dist",
     "poisson_arrivals",
     "render_markdown",

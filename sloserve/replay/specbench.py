@@ -20,6 +20,36 @@ import numpy as np
 from sloserve.replay.prompts import Prompt
 from sloserve.replay.trace import TraceFormatError, TraceRequest
 
+# the Spec-Bench questions beside the checkout (what benchmarks, the profiler and draft
+# distillation read)
+SHARED_PROMPTS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "prompts" / "spec_bench_questions.jsonl"
+
+# Used when the Spec-Bench prompts are not beside the checkout.
+FALLBACK_PROMPTS = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain how a hash map works and when it is slow.",
+    "Translate to German: The weather is nice today and we will walk to the lake.",
+    "Summarize: The city council met on Tuesday to discuss the new budget for parks.",
+    "What is the capital of Australia, and why was it chosen?",
+    "Solve: a train travels 120 km in 1.5 hours. What is its average speed?",
+    "def fibonacci(n):\n    # return the n-th Fibonacci number\n",
+    "List five tips for writing clear technical documentation.",
+]
+
+
+def ordinary_prompts(n: int) -> list[str]:
+    """n prompts: Spec-Bench questions (all categories, round-robin) when available."""
+    if SHARED_PROMPTS.is_file():
+        rows = [json.loads(line) for line in SHARED_PROMPTS.read_text().splitlines() if line.strip()]
+        by_cat: dict[str, list[str]] = {}
+        for r in rows:
+            by_cat.setdefault(r["category"], []).append(r["turns"][0])
+        cats = sorted(by_cat)
+        out = [by_cat[cats[i % len(cats)]][i // len(cats) % len(by_cat[cats[i % len(cats)]])] for i in range(n)]
+        return out
+    return [FALLBACK_PROMPTS[i % len(FALLBACK_PROMPTS)] for i in range(n)]
+
+
 MT_BENCH_CATEGORIES = (
     "writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
 )

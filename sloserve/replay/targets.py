@@ -2,7 +2,8 @@
 
 A target sends each `ReplayRequest` at its arrival time (open loop: arrivals never wait for
 earlier responses), streams the output and returns one `RequestRecord` per request, in the
-order of the input list. Kinds:
+order of the input list. The kinds (built by cli/targets.py `make_target`, which
+imports the simulator: the simulator imports replay's records and traces):
 
 - "http": a server speaking SGLang's native `/generate` streaming protocol (http_target.py).
   The server runs one speculation policy; the policy name only labels the results, so each
@@ -19,9 +20,6 @@ from typing import Protocol
 
 from sloserve.replay.records import Progress, ReplayRequest, RequestRecord, SpecStats
 
-TARGET_KINDS = ("http", "inprocess", "sim")
-
-
 
 class Target(Protocol):
     """Replays requests against a serving system."""
@@ -36,54 +34,3 @@ class Target(Protocol):
     def spec_stats(self) -> SpecStats | None:
         """Engine-side speculation counters of the last run, if the target can see them."""
         ...
-
-
-def make_target(
-    kind: str,
-    policy: str,
-    *,
-    url: str | None = None,
-    temperature: float = 0.0,
-    timeout_s: float | None = None,
-    max_concurrency: int | None = None,
-    engine_config=None,
-    profile: str | None = None,
-    acceptance: str | None = None,
-    sim_seed: int = 0,
-    max_context: int | None = None,
-) -> Target:
-    """Build the target that replays with `policy`.
-
-    http: `url` is the server's base URL (the server must be running `policy`).
-    inprocess: `engine_config` (an EngineConfig; its spec_policy is replaced by `policy`).
-    sim: `engine_config` as for inprocess, `profile` (a cost profile file, required),
-    `acceptance` (an acceptance file; default the built-in pair's), `sim_seed`,
-    `max_context` (the simulated target's context window; None = unlimited).
-    """
-    if kind == "http":
-        from sloserve.replay.http_target import SGLangHTTPTarget
-
-        if not url:
-            raise ValueError(f"the http target needs a URL (policy {policy!r})")
-        return SGLangHTTPTarget(
-            url, temperature=temperature, timeout_s=timeout_s, max_concurrency=max_concurrency
-        )
-    if kind == "inprocess":
-        import dataclasses
-
-        from sloserve.replay.inprocess_target import InProcessTarget
-        from sloserve.runtime.config import EngineConfig
-
-        cfg = dataclasses.replace(engine_config or EngineConfig(), spec_policy=policy)
-        return InProcessTarget(cfg, temperature=temperature, timeout_s=timeout_s)
-    if kind == "sim":
-        import dataclasses
-
-        from sloserve.runtime.config import EngineConfig
-        from sloserve.sim.target import make_sim_target
-
-        if not profile:
-            raise ValueError(f"the sim target needs a cost profile (--profile) (policy {policy!r})")
-        cfg = dataclasses.replace(engine_config or EngineConfig(), spec_policy=policy)
-        return make_sim_target(cfg, profile, acceptance, seed=sim_seed, max_context=max_context)
-    raise ValueError(f"unknown target kind {kind!r}; expected one of {TARGET_KINDS}")

@@ -4,7 +4,7 @@ A token's value is the log-softmax of the distribution it was sampled from befor
 top-p: the processed logits (penalties, grammar mask, min_new_tokens) divided by the temperature
 (1 for greedy requests). That is SGLang's sampler (`log(softmax(logits / T))` after
 `apply_logits_bias`; greedy requests run at temperature 1); prompt-token values are the raw
-model's (sglang_ext/logprobs.py). Under speculation each emitted token's row is the target's
+model's (server/logprobs.py). Under speculation each emitted token's row is the target's
 processed row at its position (the verify row that accepted it or the one the last token came
 from), so the values are those of plain decoding whatever was drafted.
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from sloserve.runtime.sampling_params import SamplingParams
+from sloserve.verifier.acceptance import draw
 
 F32_MAX = torch.finfo(torch.float32).max
 MAX_TEMPERATURE = 1e6  # softmax(logits / 1e6) is uniform to float32 precision
@@ -76,15 +77,6 @@ def _top_k_top_p(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     sorted_p = torch.where((rank[None, :] > 0) & (before >= top_p[:, None]), 0.0, sorted_p)
     out = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
     return out / out.sum(-1, keepdim=True)
-
-
-def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from probs [V] using the request's generator (or the global one)."""
-    return int(torch.multinomial(probs, 1, generator=generator).item())
-
-
-def uniform(generator: torch.Generator | None) -> float:
-    return float(torch.rand((), generator=generator).item())
 
 
 def sample_rows(

@@ -20,18 +20,17 @@ from sloserve.runtime.config import EngineConfig
 from sloserve.runtime.constraints import Processed
 from sloserve.runtime.constraints.batch import process_targets
 from sloserve.runtime.detokenizer import Detokenizer, DetokState, find_stop, partial_stop_len
-from sloserve.runtime.engine_setup import EngineParts
-from sloserve.runtime.logprobs import TokenLogprobs, token_logprobs
-from sloserve.runtime.request import FinishReason, Request, Status
-from sloserve.runtime.sampler import draw, processed_probs
-from sloserve.runtime.scheduler import Scheduler
-from sloserve.runtime.spec.acceptance import greedy_accept, speculative_accept
-from sloserve.runtime.spec.draft_sources import ModelDrafter, NgramDrafter
-from sloserve.runtime.spec.rounds import (
+from sloserve.runtime.drafter.draft_sources import ModelDrafter, NgramDrafter
+from sloserve.runtime.drafter.rounds import (
     DraftResult,
     draft_rounds,
     step_info,
 )
+from sloserve.runtime.engine_setup import EngineParts
+from sloserve.runtime.logprobs import TokenLogprobs, token_logprobs
+from sloserve.runtime.request import FinishReason, Request, Status
+from sloserve.runtime.sampler import processed_probs
+from sloserve.runtime.scheduler import Scheduler
 from sloserve.runtime.stats import EngineStats
 from sloserve.runtime.step_books import (
     account_step,
@@ -42,6 +41,7 @@ from sloserve.runtime.step_books import (
     take_draft_prefill,
 )
 from sloserve.speculation import SpecSession
+from sloserve.verifier.acceptance import draw, greedy_accept, speculative_accept
 
 Touched = tuple[Request, list[int], str]  # request, new token ids, new text
 log = logging.getLogger(__name__)

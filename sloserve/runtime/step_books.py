@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from sloserve.runtime.drafter.rounds import DraftResult
 from sloserve.runtime.request import Request
 from sloserve.runtime.scheduler import Scheduler
-from sloserve.runtime.spec.rounds import DraftResult
 from sloserve.runtime.stats import EngineStats, StepRecord
 from sloserve.slo import effective_slo
 

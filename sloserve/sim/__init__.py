@@ -12,6 +12,7 @@ process fitted to a measured calibration.
     acceptance.py   the acceptance process (per-request Beta confidences, calibration g)
     target.py       SimTarget: `python -m sloserve.replay --target sim --profile FILE`
     pool.py         policies simulated in worker processes (--sim-workers)
-    fidelity.py     python -m sloserve.sim.fidelity: real engine vs simulator
+    fidelity.py     python -m sloserve.sim.fidelity (a shim: cli/fidelity.py): real engine vs
+                    simulator
     gpu_profiles.py python -m sloserve.sim.gpu_profiles: GPU profiles from published figures
 """

@@ -1,4 +1,4 @@
-"""The simulator's draft source (sloserve.runtime.spec.rounds.DraftSource) without a model:
+"""The simulator's draft source (sloserve.runtime.drafter.rounds.DraftSource) without a model:
 `draft_rounds` calls it exactly as it calls the engine's draft model.
 
 Each call is one draft forward over the requests still drafting. It proposes the dummy token
@@ -20,8 +20,8 @@ from collections.abc import Mapping
 import numpy as np
 
 from sloserve.estimator.cost_model import ForwardCost
+from sloserve.runtime.drafter.rounds import DraftRound
 from sloserve.runtime.request import Request
-from sloserve.runtime.spec.rounds import DraftRound
 
 DUMMY_TOKEN = 0
 

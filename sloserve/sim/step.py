@@ -22,10 +22,10 @@ from typing import Protocol
 
 from sloserve.estimator.cost_model import CostModel
 from sloserve.runtime.config import EngineConfig
+from sloserve.runtime.drafter.rounds import DraftResult, draft_rounds, step_info
 from sloserve.runtime.kv_cache import BlockAllocator
 from sloserve.runtime.request import FinishReason, Request, Status
 from sloserve.runtime.scheduler import Scheduler
-from sloserve.runtime.spec.rounds import DraftResult, draft_rounds, step_info
 from sloserve.runtime.stats import EngineStats
 from sloserve.runtime.step_books import (
     Prefills,

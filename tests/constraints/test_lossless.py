@@ -1,6 +1,6 @@
 """Speculative sampling over the processed (penalised + grammar-masked + min_new_tokens)
 distributions keeps the target's processed distribution: the output distribution of the toy
-speculative loop (sloserve.runtime.spec.acceptance.speculative_accept, k = 3) is compared with the
+speculative loop (sloserve.verifier.acceptance.speculative_accept, k = 3) is compared with the
 exact distribution of plain sampling, enumerated over every complete output the grammar allows.
 Two deliberately wrong variants must fail the same test: verify rows penalised without the
 drafts before them, and drafts sampled from a distribution other than the q the rule is given."""

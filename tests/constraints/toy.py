@@ -22,8 +22,8 @@ from sloserve.runtime.constraints.bitmask import apply_
 from sloserve.runtime.constraints.processing import finish, process
 from sloserve.runtime.penalties import PenaltyParams
 from sloserve.runtime.request import SamplingParams
-from sloserve.runtime.sampler import draw, processed_probs
-from sloserve.runtime.spec.acceptance import greedy_accept, speculative_accept
+from sloserve.runtime.sampler import processed_probs
+from sloserve.verifier.acceptance import draw, greedy_accept, speculative_accept
 
 VOCAB = ["a", "b", "ab", "ba", "aab", "c", "x", "bb", "q", "<eos>"]
 V = len(VOCAB)

@@ -11,7 +11,7 @@ import pytest
 from sloserve.bench.synthetic import cpu_cost_model, make_step
 from sloserve.estimator.acceptance import chain_probs, expected_tokens
 from sloserve.estimator.step_time import StepTimer
-from sloserve.policies.specserve.elimination import eliminate, eliminate_plan
+from sloserve.verifier.elimination import eliminate, eliminate_plan
 
 COST = cpu_cost_model()
 # the same costs with roofline knees (cost_model.py): a few verify / draft tokens are free

@@ -9,8 +9,8 @@ import json
 import numpy as np
 import pytest
 
+from sloserve.cli.profile import main
 from sloserve.estimator.profile_file import ModelProfile, Profile, read_profile, write_profile
-from sloserve.profiler.__main__ import main
 from sloserve.profiler.fit import fit_forward_cost
 from sloserve.profiler.placement import place, side_path
 

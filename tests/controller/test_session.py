@@ -1,7 +1,7 @@
 """One step of speculation as a session (sloserve.speculation.SpecSession): the same policy
 driven by a pull caller (the built-in engine's and the simulator's loop,
-runtime/spec/rounds.py draft_rounds) and by a push caller shaped like SGLang's worker
-(sglang_plugin/controller.py: its batch drafts every row each round and asks after each)
+runtime/drafter/rounds.py draft_rounds) and by a push caller shaped like SGLang's worker
+(sglang_ext/controller.py: its batch drafts every row each round and asks after each)
 makes the same decisions and learns the same outcomes; and the request SLO reader."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 
 from sloserve.bench.synthetic import cpu_cost_model
 from sloserve.policies.registry import make_policy
-from sloserve.runtime.spec.rounds import DraftRound, draft_rounds
-from sloserve.sglang_plugin.controller import StepController
+from sloserve.runtime.drafter.rounds import DraftRound, draft_rounds
+from sloserve.sglang_ext.controller import StepController
 from sloserve.slo import effective_slo, request_slos, slo_array, stated_slo, valid_slo
 from sloserve.speculation import SpecSession, StepInfo
 

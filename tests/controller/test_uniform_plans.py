@@ -11,7 +11,7 @@ import pytest
 
 from sloserve.bench.synthetic import cpu_cost_model, make_step
 from sloserve.policies.specserve import SpecServePolicy
-from sloserve.policies.specserve.elimination import eliminate_padded
+from sloserve.verifier.elimination import eliminate_padded
 
 COST = cpu_cost_model()
 B = 8

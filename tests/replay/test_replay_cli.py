@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sloserve.replay.__main__ import build_parser, main, policy_urls
+from sloserve.cli.replay import build_parser, main, policy_urls
 from sloserve.replay.formats import load_trace
 from sloserve.replay.make_traces import TRACE_SPECS, check, generate
 

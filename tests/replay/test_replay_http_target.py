@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
+from sloserve.cli.targets import make_target
 from sloserve.replay.http_target import SGLangHTTPTarget, _consume_line, _Stream
 from sloserve.replay.metrics import SloConfig, summarize_run
 from sloserve.replay.records import PolicyRun, ReplayRequest
-from sloserve.replay.targets import make_target
 
 
 def run(target: SGLangHTTPTarget, requests: list[ReplayRequest], progress=None):

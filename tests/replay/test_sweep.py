@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from sloserve.cli.sweep import main as sweep_main
 from sloserve.replay.formats import write_native
 from sloserve.replay.metrics import SloConfig
 from sloserve.replay.records import PolicyRun, RequestRecord
 from sloserve.replay.shaping import Scaling
 from sloserve.replay.slo_mix import DEFAULT_MIX, SloClass, assign_classes, parse_mix
-from sloserve.replay.sweep import main as sweep_main
 from sloserve.replay.sweep_cells import burst, make_cell
 from sloserve.replay.sweep_stats import aggregate, run_stats
 from sloserve.replay.trace import TraceRequest, describe

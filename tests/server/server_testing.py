@@ -13,10 +13,10 @@ import uvicorn
 from sloserve.runtime.config import EngineConfig
 from sloserve.runtime.engine import Engine
 from sloserve.runtime.scheduler import SchedulerConfig
-from sloserve.sglang_ext.app import create_app
-from sloserve.sglang_ext.http_options import HTTPOptions
-from sloserve.sglang_ext.http_protocol import with_header_timeout
-from sloserve.sglang_ext.serving import ServingState
+from sloserve.server.app import create_app
+from sloserve.server.http_options import HTTPOptions
+from sloserve.server.http_protocol import with_header_timeout
+from sloserve.server.serving import ServingState
 
 TIMEOUT = httpx.Timeout(60.0)
 

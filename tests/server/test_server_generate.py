@@ -196,7 +196,7 @@ def test_sglang_bench_serving_payload(client):
 
 
 def test_trim_stop_cuts_a_stop_prefix_emitted_by_an_earlier_step():
-    from sloserve.sglang_ext.serving import _trim_stop
+    from sloserve.server.serving import _trim_stop
 
     assert _trim_stop("abc STO", "STOP") == "abc "  # "STO" went out before the match
     assert _trim_stop("abc STOP", "STOP") == "abc "

@@ -12,7 +12,7 @@ import pytest
 from server_testing import start_server, tiny_config
 
 from sloserve.runtime.engine import Engine
-from sloserve.sglang_ext.http_options import HTTPOptions
+from sloserve.server.http_options import HTTPOptions
 
 KEY = "s3cret-key"
 GEN = {"input_ids": [11, 57, 300], "sampling_params": {"max_new_tokens": 2}}

@@ -1,4 +1,4 @@
-"""#33: one table of options (sloserve/sglang_ext/options.py) for /generate and the OpenAI
+"""#33: one table of options (sloserve/server/options.py) for /generate and the OpenAI
 endpoints. Every option of the table, set off its default, goes through both APIs: a served
 one is answered 200 (and /generate and /v1/completions give the same text), an unserved one is
 a 400 naming it; the request models hold exactly the table's options; README's option list is
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from sloserve.sglang_ext.openai_protocol import ChatCompletionRequest, CompletionRequest
-from sloserve.sglang_ext.options import OPTIONS, Option, markdown
-from sloserve.sglang_ext.protocol import GenerateRequest, SGLangSamplingParams
+from sloserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from sloserve.server.options import OPTIONS, Option, markdown
+from sloserve.server.protocol import GenerateRequest, SGLangSamplingParams
 
 PROMPT = "hello world"
 README = Path(__file__).resolve().parents[2] / "README.md"

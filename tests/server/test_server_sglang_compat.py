@@ -85,7 +85,7 @@ def test_replayed_bodies_are_served(client, name, path, body):
 
 
 def test_unknown_keys_are_ignored_with_a_debug_log(client, caplog):
-    with caplog.at_level(logging.DEBUG, logger="sloserve.sglang_ext.errors"):
+    with caplog.at_level(logging.DEBUG, logger="sloserve.server.errors"):
         r = client.post("/generate", json={"text": "hi", "frobnicate": {"x": 1},
                                            "sampling_params": {"max_new_tokens": 2}})
         assert r.status_code == 200, r.text

@@ -28,7 +28,7 @@ from sloserve.runtime.async_engine import (
 )
 from sloserve.runtime.engine import Engine
 from sloserve.runtime.request import SamplingParams
-from sloserve.sglang_ext.app import create_app
+from sloserve.server.app import create_app
 
 PROMPT = [11, 57, 300, 42, 9]
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}

@@ -10,10 +10,10 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from sloserve.sglang_ext.chat_prompt import plain_messages, render, template_reads_tools
-from sloserve.sglang_ext.errors import APIError
-from sloserve.sglang_ext.tool_calls import FORMATS, StreamedCalls, parse_call_array, parse_calls
-from sloserve.sglang_ext.tool_plan import NamedToolChoice, ToolSpec, plan_tools
+from sloserve.server.chat_prompt import plain_messages, render, template_reads_tools
+from sloserve.server.errors import APIError
+from sloserve.server.tool_calls import FORMATS, StreamedCalls, parse_call_array, parse_calls
+from sloserve.server.tool_plan import NamedToolChoice, ToolSpec, plan_tools
 
 NAMES = frozenset({"get_weather", "add"})
 WEATHER = {"type": "function", "function": {

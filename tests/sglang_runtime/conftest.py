@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from sloserve.sglang_plugin.cpu_server import (
+from sloserve.sglang_cpu.cpu_server import (
     CPUServerConfig,
     SpecConfig,
     generate,
@@ -20,7 +20,7 @@ from sloserve.sglang_plugin.cpu_server import (
     stop_server,
     wait_ready,
 )
-from sloserve.sglang_plugin.tiny_pair import ensure_tiny_pair
+from sloserve.sglang_cpu.tiny_pair import ensure_tiny_pair
 
 REPO = Path(__file__).resolve().parents[2]
 # float32: the backends and the transformers reference then differ only by summation order.

@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from sloserve.sglang_plugin import cpu_ops
-from sloserve.sglang_plugin.cpu_server import SHIM_DIR
+from sloserve.sglang_cpu import cpu_ops
+from sloserve.sglang_cpu.cpu_server import SHIM_DIR
 
 H, HKV, D, DV = 4, 2, 16, 16  # GQA: 2 query heads per KV head
 POOL, MAX_REQS, CTX = 64, 5, 40

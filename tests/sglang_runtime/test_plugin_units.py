@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from sloserve.bench.synthetic import cpu_cost_model
+from sloserve.cli.sglang_launch import sglang_args
 from sloserve.estimator.step_time import StepTimer
 from sloserve.policies.registry import make_policy
 from sloserve.runtime.config import EngineConfig
-from sloserve.sglang_plugin import settings
-from sloserve.sglang_plugin.controller import SGLangStepsPolicy, StepController
-from sloserve.sglang_plugin.launch import sglang_args
+from sloserve.sglang_ext import settings
+from sloserve.sglang_ext.controller import SGLangStepsPolicy, StepController
 from sloserve.slo import slos_into_custom_params, stated_slo, valid_slo
 from sloserve.spec_config import SpeculationConfig
 from sloserve.speculation import StepInfo
@@ -132,7 +132,7 @@ def test_slo_fields_move_into_custom_params():
 
 
 def test_launch_command_for_the_built_in_pair_on_cpu(monkeypatch):
-    monkeypatch.setattr("sloserve.sglang_plugin.launch.cuda_available", lambda: False)
+    monkeypatch.setattr("sloserve.cli.sglang_launch.cuda_available", lambda: False)
     cmd, env = sglang_args(["--tpot-slo", "30ms", "--port", "31234", "--log-level", "warning"])
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
     args = " ".join(cmd)
@@ -223,7 +223,7 @@ def test_closed_loop_benchmark_runs_each_system_as_named():
 
 
 def test_policy_options_travel_in_the_one_config(monkeypatch):
-    monkeypatch.setattr("sloserve.sglang_plugin.launch.cuda_available", lambda: False)
+    monkeypatch.setattr("sloserve.cli.sglang_launch.cuda_available", lambda: False)
     _, env = sglang_args(["--spec-policy", "specserve", "--spec-options",
                           "uniform_margin=0, correct_cost=false,lag_cap=none",
                           "--spec-lengths", "per-request", "--k-max", "4"])
@@ -249,7 +249,7 @@ def test_profiling_rows_carry_confidences_and_fit_the_calibration(tmp_path):
     request's accepted drafts; the SGLang profiler's calibration counts each position up to
     and including the first rejection in its confidence bin (row 0 rejected, row 1
     accepted)."""
-    from sloserve.sglang_plugin.profile import calibration_counts
+    from sloserve.cli.sglang_profile import calibration_counts
 
     timings = tmp_path / "rows.jsonl"
     ctl = StepController(make_policy("specserve", COST, k_max=3), 3, sweep=(0, 3),

@@ -19,8 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from sloserve.sglang_plugin.front import create_front
-from sloserve.sglang_plugin.request_guard import GuardLimits, Refused, check_body
+from sloserve.sglang_ext.front import create_front
+from sloserve.sglang_ext.request_guard import GuardLimits, Refused, check_body
 
 LIMITS = GuardLimits(max_n=4, max_batch_prompts=8, max_top_logprobs_num=5, vocab_size=100)
 DEEP = "[" * 10000 + "]" * 10000

@@ -18,7 +18,7 @@ import pytest
 import torch
 from sglang_standalone_reference import standalone_greedy
 
-from sloserve.sglang_plugin.cpu_server import CPUServerConfig, generate
+from sloserve.sglang_cpu.cpu_server import CPUServerConfig, generate
 
 # Server starts (60-100 s each, more on a busy machine) count against the first test using
 # them; the project-wide 300 s limit is too short for that.

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from sloserve.cli.replay import main
 from sloserve.estimator.profile_file import read_profile
 from sloserve.estimator.step_time import StepTimer
-from sloserve.replay.__main__ import main
 
 REPO = Path(__file__).resolve().parents[2]
 GPU_PROFILES = sorted((REPO / "configs" / "profiles" / "gpu").glob("*.json"))

@@ -15,8 +15,9 @@ import torch
 from scipy.stats import chisquare
 
 from sloserve.runtime.request import SamplingParams
-from sloserve.runtime.sampler import draw, processed_probs
-from sloserve.runtime.spec import acceptance
+from sloserve.runtime.sampler import processed_probs
+from sloserve.verifier import acceptance
+from sloserve.verifier.acceptance import draw
 
 ALPHA = 0.01
 SETTINGS = [SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, top_p=0.9)]

@@ -19,7 +19,7 @@ next prediction already uses it. Requests whose chain probability fell below COL
 the draft batch.
 
 Verify (`verify_lengths`): the tails with the lowest chain probabilities go while removing
-one raises E (elimination.py), always a suffix of each request's draft.
+one raises E (verifier/elimination.py), always a suffix of each request's draft.
 
 State (arrays indexed by batch row, [B]; P position-major):
     pred     predicted acceptance of each request's next draft token
@@ -40,9 +40,9 @@ from sloserve.estimator.acceptance import ConfidenceCalibrator, chain_probs
 from sloserve.estimator.cost_model import CostModel
 from sloserve.estimator.efficiency import binding_slo
 from sloserve.estimator.step_time import StepTimer
-from sloserve.policies.specserve.elimination import eliminate_padded, eliminate_plan
 from sloserve.policies.specserve.options import COLLAPSE, COUNT_EMA, SpecServeOptions
 from sloserve.speculation import SpecPlan, StepInfo
+from sloserve.verifier.elimination import eliminate_padded, eliminate_plan
 
 # prefix sums without ndarray.cumsum's dispatch overhead (~1 us per call at B = 64; a plan
 # runs a few per draft forward)

@@ -1,0 +1,201 @@
+"""Profile SGLang's own forwards for SPECSERVE:
+
+    python -m sloserve.profiler --engine sglang [--model-path T --draft-model-path D]
+        [--levels 1,4,16] [--out DIR] [SGLang's options]
+
+Starts SGLang's server with SPECSERVE in sweep mode (every decode step cycles the draft
+length through 0..k_max instead of deciding it, and logs its measured draft forwards, draft
+extend and verify seconds with its batch size and context: controller.py), drives it at
+several concurrency levels with random-token prompts, then fits the cost model of
+docs/design.md sec. 2 to what SGLang's forwards took:
+
+    target  T(n_ctx, n_q) from the verify forwards: n_q = B (k + 1), n_ctx = context + n_q
+    draft   from the draft forwards (k forwards of B tokens each, their mean context) and
+            the draft extend (one forward over B (k + 1) tokens)
+    overhead  the plain steps' seconds outside the verify forward (the draft extend SGLang
+            runs at every step included)
+    calibration  the draft's confidence -> conditional acceptance counts of the pair (every
+            drafted chain's confidences against its accepted count), which the SPECSERVE
+            policy's map g starts from (docs/design.md sec. 3)
+
+and writes the profile (keyed by the pair, the device prefixed "sglang-" and the dtype) to
+the user cache (default) or --out, where the SPECSERVE worker finds it (settings.py). Must run
+in a python with SGLang's runtime (scripts/sglang_runtime_env.sh). Takes 3-10 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from sloserve.estimator.acceptance import ConfidenceCalibrator
+from sloserve.estimator.profile_file import (
+    PROFILES_DIR,
+    ModelProfile,
+    Profile,
+    profile_filename,
+    write_profile,
+)
+from sloserve.estimator.profile_lookup import default_dirs, fingerprint
+from sloserve.profiler.fit import fit_forward_cost
+from sloserve.sglang_cpu.cpu_server import wait_ready
+from sloserve.sglang_ext import settings
+
+WARMUP_REQUESTS = 2
+
+
+def fit_rows(rows: Sequence[dict], target_path: str, draft_path: str, device: str,
+             dtype: str, levels: Sequence[int]) -> Profile:
+    """The profile of timing rows (one per decode step, controller.py's JSON lines)."""
+    target, draft, plain_rest, rest = [], [], [], []
+    for r in rows:
+        B, k, ctx = r["batch"], r["k"], r["context"]
+        q = B * (k + 1)
+        target.append((ctx + q, q, r["verify"]))
+        draft.append((ctx + q, q, r["extend"]))  # the draft reading the verified window
+        if k:
+            draft.append((ctx + B * (k + 1) / 2.0, B, r["draft"] / k))  # one draft forward
+            rest.append(r["step"] - r["draft"] - r["verify"])
+        else:
+            plain_rest.append(r["step"] - r["verify"])
+    t_fit, d_fit = fit_forward_cost(target), fit_forward_cost(draft)
+    calibration = calibration_counts(rows)
+    overhead = statistics.median(plain_rest or rest)
+    return Profile(
+        target=ModelProfile(target_path, fingerprint(target_path), t_fit.cost, t_fit.stats),
+        draft=ModelProfile(draft_path, fingerprint(draft_path), d_fit.cost, d_fit.stats),
+        device=settings.sglang_device_key(device), dtype=dtype, overhead=max(0.0, overhead),
+        grid={"concurrency": list(levels), "steps": [len(rows)]}, mode="sglang-sweep",
+        calibration=calibration,
+    )
+
+
+def calibration_counts(rows: Sequence[dict]) -> tuple[tuple[float, ...], ...] | None:
+    """[2, n_bins] rejected / accepted counts per draft-confidence bin from the rows that
+    carry their chain's confidences (every request verified all k drafts of a sweep step),
+    None if none does."""
+    calib = ConfidenceCalibrator(prior_weight=0.0)
+    for r in rows:
+        conf = r.get("conf")
+        if not conf or r["k"] == 0:
+            continue
+        c = np.array(conf, dtype=np.float64)  # [B, k]; null (not finite) -> NaN
+        calib.update(c, np.full(len(c), r["k"]), np.asarray(r["accepted_per_request"]))
+    if not calib.counts.sum():
+        return None
+    return tuple(tuple(round(float(x), 3) for x in row) for row in calib.counts)
+
+
+def _post(url: str, body: dict, timeout: float = 1800.0) -> dict:
+    req = urllib.request.Request(url + "/generate", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def drive(url: str, levels: Sequence[int], new_tokens: int, max_prompt: int,
+          vocab: int, rounds: int, seed: int = 0) -> None:
+    """Requests at each concurrency level: `rounds` waves of as many at once as the level."""
+    rng = random.Random(seed)
+
+    def one(_: int) -> None:
+        ids = [rng.randrange(10, vocab) for _ in range(rng.randint(16, max_prompt))]
+        _post(url, {"input_ids": ids, "sampling_params": {
+            "max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}})
+
+    for n in range(WARMUP_REQUESTS):
+        one(n)
+    for level in levels:
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(level) as pool:
+            list(pool.map(one, range(rounds * level)))
+        print(f"  concurrency {level}: {time.monotonic() - t0:.1f} s", flush=True)
+
+
+def main(argv: Sequence[str]) -> int:
+    from sloserve.cli.sglang_launch import sglang_args, sglang_runtime_available
+
+    p = argparse.ArgumentParser(prog="python -m sloserve.profiler --engine sglang",
+                                allow_abbrev=False, description=__doc__.split("\n")[0])
+    p.add_argument("--levels", default="1,2,4,8,16", help="concurrency levels")
+    p.add_argument("--new-tokens", type=int, default=40)
+    p.add_argument("--max-prompt", type=int, default=512)
+    p.add_argument("--rounds", type=int, default=3, help="request waves per level")
+    p.add_argument("--rows-out", type=Path, default=None, help="also write the raw step rows")
+    p.add_argument("--out", type=Path, default=None,
+                   help="directory for the profile file (default: the user cache's "
+                        "profiles/, where the SPECSERVE worker looks after configs/profiles/)")
+    args, rest = p.parse_known_args(list(argv))
+    if not sglang_runtime_available():
+        print("error: needs SGLang's runtime in this python (scripts/sglang_runtime_env.sh)",
+              file=sys.stderr)
+        return 2
+    levels = [int(x) for x in args.levels.split(",")]
+    if "--dtype" not in rest:
+        rest += ["--dtype", "float32"]
+    if "--port" not in rest:
+        rest += ["--port", "31999"]
+    cmd, env = sglang_args(rest)
+    k_max = int(cmd[cmd.index("--speculative-num-steps") + 1])
+    target = cmd[cmd.index("--model-path") + 1]
+    draft = cmd[cmd.index("--speculative-draft-model-path") + 1]
+    url = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
+    dtype = rest[rest.index("--dtype") + 1]
+    with tempfile.TemporaryDirectory() as tmp:
+        timings = Path(tmp) / "timings.jsonl"
+        cmd, env = sglang_args(rest + [
+            "--spec-sweep", ",".join(str(k) for k in range(k_max + 1)),
+            "--spec-timings", str(timings)])
+        print(f"profiling SGLang's forwards of {target} / {draft} (draft lengths 0..{k_max},"
+              f" concurrency {levels}); this takes 3-10 minutes", flush=True)
+        log = open(Path(tmp) / "server.log", "wb")  # noqa: SIM115
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            wait_ready(url, proc, 900)
+            with open(Path(target) / "config.json") as f:
+                vocab = json.load(f)["vocab_size"]
+            drive(url, levels, args.new_tokens, args.max_prompt, vocab, args.rounds)
+        except Exception:
+            log.flush()
+            print((Path(tmp) / "server.log").read_text(errors="replace")[-5000:],
+                  file=sys.stderr)
+            raise
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(60)
+        rows = [json.loads(line) for line in timings.read_text().splitlines()]
+    rows = rows[WARMUP_REQUESTS * args.new_tokens:]  # past the warm-up (compiles, caches)
+    if args.rows_out:
+        args.rows_out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    device = "cuda" if "--device" not in cmd else cmd[cmd.index("--device") + 1]
+    profile = fit_rows(rows, target, draft, device, dtype, levels)
+    out_dir = args.out or default_dirs()[-1] / PROFILES_DIR  # the user cache's profiles/
+    path = write_profile(profile, out_dir / profile_filename(
+        profile.target.key, profile.draft.key, profile.device, dtype))
+    t, d = profile.target, profile.draft
+    print(f"target: a={t.cost.a:.3g} b={t.cost.b:.3g} c={t.cost.c:.3g} q0={t.cost.q0:g} "
+          f"(R^2 {t.fit.r2:.3f}, MAPE {t.fit.mape:.1%})" if t.fit else "")
+    print(f"draft:  a={d.cost.a:.3g} b={d.cost.b:.3g} c={d.cost.c:.3g} q0={d.cost.q0:g} "
+          f"(R^2 {d.fit.r2:.3f}, MAPE {d.fit.mape:.1%})" if d.fit else "")
+    if profile.calibration is not None:
+        rejected, accepted = (np.asarray(x) for x in profile.calibration)
+        print(f"calibration: {int(rejected.sum() + accepted.sum())} draft positions, "
+              f"acceptance {accepted.sum() / (rejected.sum() + accepted.sum()):.2f}")
+    print(f"overhead {profile.overhead * 1e3:.2f} ms; {len(rows)} steps; wrote {path}")
+    return 0

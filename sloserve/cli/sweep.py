@@ -1,0 +1,216 @@
+"""Load sweep with multi-SLO requests: goodput per policy from low load to overload.
+
+    # the simulator at GPU scale (H100 7B/160M profile), 1-8x the Azure conversation rate
+    python -m sloserve.replay.sweep --target sim \
+        --profile configs/profiles/gpu/llama-2-7b-hf__llama-160m__cuda-h100-sxm-80gb__bfloat16.json \
+        --trace ../shared/data/traces/azure_llm_2023_conv.csv --loads 1,2,4,8 --rate-unit trace \
+        --tpot-slo-ms 15 --ttft-slo-ms 1000 --out runs/sweep_sim
+
+    # the in-process engine on this CPU (built-in pair), 0.3-1.5x what `ar` sustains
+    python -m sloserve.replay.sweep --target inprocess \
+        --trace ../shared/data/traces/azure_llm_2023_conv.csv --loads 0.3,0.6,1,1.5 \
+        --rate-unit ar --seeds 0,1,2 --requests 200 --input-scale 0.1 --input-max 256 --output-scale 0.25 --output-max 64 \
+        --tpot-slo-ms 60 --ttft-slo-ms 2000 --out runs/sweep_cpu
+
+Every (load, seed) cell is `--requests` consecutive trace requests from a seed-chosen start
+(sweep_cells.py), lengths scaled, arrivals the trace's own or `--arrivals gamma --cv CV`,
+each request with an SLO class drawn from `--mix` (slo_mix.py); every policy replays the
+same cells, one run after another. `--rate-unit ar` first measures what `ar` sustains (its
+request throughput when the first seed's requests all arrive at once) and sets the loads as
+multiples of it; `trace` uses the whole trace's mean rate (ar's capacity is measured and
+reported either way). Writes sweep.json, sweep.md and plots (sweep_report.py) to --out. It
+prints the number of runs first and one line per run with the elapsed time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from sloserve.cli.targets import make_target
+from sloserve.replay.formats import load_trace
+from sloserve.replay.metrics import SloConfig
+from sloserve.replay.prompts import PromptSource, SyntheticIdsSource
+from sloserve.replay.records import PolicyRun, ReplayRequest
+from sloserve.replay.shaping import Scaling
+from sloserve.replay.slo_mix import DEFAULT_MIX, parse_mix
+from sloserve.replay.sweep_cells import SweepCell, burst, make_cell
+from sloserve.replay.sweep_report import SCHEMA, write_sweep
+from sloserve.replay.sweep_stats import aggregate, run_stats
+from sloserve.replay.trace import describe
+
+DEFAULT_POLICIES = "ar,fixed:1,fixed:3,goodput,lut,adaserve,specserve,specserve-slo"
+MAX_SERIES = 400  # time-series points kept per run for the mean-k plot
+
+
+def floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m sloserve.replay.sweep",
+                                description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--target", choices=("sim", "inprocess"), required=True)
+    p.add_argument("--trace", type=Path, required=True)
+    p.add_argument("--loads", type=floats, default=[1, 2, 4, 8])
+    p.add_argument("--rate-unit", choices=("trace", "ar"), default="trace")
+    p.add_argument("--arrivals", choices=("trace", "gamma"), default="trace")
+    p.add_argument("--cv", type=float, default=3.0, help="Gamma inter-arrival CV")
+    p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2])
+    p.add_argument("--requests", type=int, default=400, help="requests per cell")
+    p.add_argument("--mix", default=DEFAULT_MIX, help="SLO classes name:tpot_x:ttft_x[:w],...")
+    p.add_argument("--tpot-slo-ms", type=float, default=15.0, help="base TPOT SLO")
+    p.add_argument("--ttft-slo-ms", type=float, default=1000.0, help="base TTFT SLO")
+    p.add_argument("--policies", default=DEFAULT_POLICIES)
+    p.add_argument("--default-policy", default="specserve-slo")
+    g = p.add_argument_group("token lengths (recorded in the report)")
+    g.add_argument("--input-scale", type=float, default=1.0)
+    g.add_argument("--input-max", type=int, default=None)
+    g.add_argument("--output-scale", type=float, default=1.0)
+    g.add_argument("--output-max", type=int, default=None)
+    g = p.add_argument_group("engine / simulator")
+    g.add_argument("--profile", default=None, help="cost profile (sim)")
+    g.add_argument("--acceptance", default=None, help="acceptance file (sim)")
+    g.add_argument("--k-max", type=int, default=8)
+    g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="weights, activations and KV dtype (auto: bfloat16 where the CPU has "
+                   "AVX512-BF16/AMX; the committed CPU profiles are float32)")
+    g.add_argument("--max-running-requests", type=int, default=64)
+    g.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="default: 65536 in-process, 1048576 simulated")
+    g.add_argument("--vocab-size", type=int, default=2048, help="in-process prompt ids")
+    p.add_argument("--out", type=Path, default=Path("runs/sweep"))
+    p.add_argument("--no-plots", action="store_true")
+    return p
+
+
+class Sweep:
+    """Runs the cells against every policy and collects the per-run numbers."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from sloserve.runtime.config import EngineConfig
+        from sloserve.runtime.scheduler import SchedulerConfig
+
+        self.args = args
+        self.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+        if args.default_policy not in self.policies:
+            raise SystemExit(f"--default-policy {args.default_policy} is not in --policies")
+        kv = args.kv_cache_tokens or (1 << 20 if args.target == "sim" else 65536)
+        self.cfg = EngineConfig(
+            k_max=args.k_max, kv_cache_tokens=kv, tpot_slo=None, dtype=args.dtype,
+            scheduler=SchedulerConfig(max_running_requests=args.max_running_requests))
+        self.slo = SloConfig(args.ttft_slo_ms / 1000.0, args.tpot_slo_ms / 1000.0, (1.0,))
+        self.t0 = time.time()
+
+    def source(self) -> PromptSource:
+        if self.args.target == "sim":
+            from sloserve.sim.target import LengthOnlySource
+
+            return LengthOnlySource()
+        return SyntheticIdsSource(self.args.vocab_size, 10, 64, 0)
+
+    def replay(self, policy: str, seed: int, requests: tuple[ReplayRequest, ...]) -> PolicyRun:
+        a = self.args
+        target = make_target(a.target, policy, engine_config=self.cfg, profile=a.profile,
+                             acceptance=a.acceptance, sim_seed=seed)
+        records = asyncio.run(target.run(list(requests), None))
+        return PolicyRun(policy, tuple(records), target.spec_stats())
+
+    def log(self, text: str) -> None:
+        print(f"[{time.time() - self.t0:7.1f} s] {text}", flush=True)
+
+
+def series(run: PolicyRun) -> list[list[float]]:
+    ts = run.spec_stats.timeseries if run.spec_stats is not None else ()
+    step = max(1, len(ts) // MAX_SERIES)
+    return [[s.t_s, s.batch_size, s.mean_verify_len] for s in ts[::step]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.target == "sim" and not args.profile:
+        raise SystemExit("--target sim needs --profile")
+    sweep = Sweep(args)
+    mix = parse_mix(args.mix)
+    trace = load_trace(args.trace)
+    lengths = Scaling(input_scale=args.input_scale, input_max=args.input_max,
+                      output_scale=args.output_scale, output_max=args.output_max)
+    source = sweep.source()
+
+    def cell(load: float, seed: int, unit: float) -> SweepCell:
+        return make_cell(trace, n=args.requests, seed=seed, load=load, rate_unit=unit,
+                         lengths=lengths, arrivals_cv=args.cv if args.arrivals == "gamma"
+                         else None, mix=mix, tpot_s=sweep.slo.tpot_s, ttft_s=sweep.slo.ttft_s,
+                         source=source)
+
+    n_runs = 1 + len(args.loads) * len(args.seeds) * len(sweep.policies)
+    sweep.log(f"{n_runs} runs of {args.requests} requests ({args.target}); "
+              "the first measures ar's capacity")
+    probe = sweep.replay("ar", args.seeds[0], burst(cell(1.0, args.seeds[0], 1.0)))
+    capacity = run_stats(probe, {}, sweep.slo)["throughput_rps"]
+    trace_rate = describe(trace)["rate_rps"] or 0.0
+    unit = capacity if args.rate_unit == "ar" else trace_rate
+    unit_text = (f"ar's capacity, {capacity:.3g} req/s (all {args.requests} requests of seed "
+                 f"{args.seeds[0]} at once)" if args.rate_unit == "ar" else
+                 f"the trace's mean rate, {trace_rate:.3g} req/s")
+    sweep.log(f"ar sustains {capacity:.3g} req/s; rate unit: {unit_text}")
+    loads_out = []
+    done = 1
+    for load in args.loads:
+        runs: list[dict[str, Any]] = []
+        ts: dict[str, list] = {}
+        cells = [cell(load, s, unit) for s in args.seeds]
+        for c in cells:
+            for policy in sweep.policies:
+                run = sweep.replay(policy, c.seed, c.requests)
+                stats = run_stats(run, c.classes, sweep.slo)
+                runs.append({"policy": policy, "seed": c.seed, "stats": stats})
+                if c.seed == args.seeds[0]:
+                    ts[policy] = series(run)
+                done += 1
+                sweep.log(f"[{done}/{n_runs}] load {load:g}x seed {c.seed} {policy}: goodput "
+                          f"{stats['goodput_rps']:.3f} req/s, attainment "
+                          f"{100 * stats['attainment']:.1f}%")
+        agg = aggregate(runs, args.default_policy)
+        paired = {}
+        for p in sweep.policies:
+            if p != args.default_policy:  # the default's paired gain over p, per seed
+                inv = aggregate(runs, p)[args.default_policy]["vs_reference"]
+                paired[p] = inv
+        loads_out.append({"load": load, "rate_rps": load * unit,
+                          "x_ar_capacity": load * unit / capacity if capacity else None,
+                          "cell_summaries": [c.summary for c in cells],
+                          "policies": agg, "paired": paired, "runs": runs, "timeseries": ts})
+    cmd = "python -m sloserve.replay.sweep " + " ".join(
+        shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv))
+    arrivals = "the trace's own" if args.arrivals == "trace" else f"Gamma CV {args.cv:g}"
+    report = {
+        "schema": SCHEMA,
+        "meta": {"command": cmd, "created_unix": time.time(), "target": args.target,
+                 "profile": args.profile, "default_policy": args.default_policy,
+                 "workload": f"{args.trace.name}, {args.requests} consecutive requests per "
+                             f"cell from a seed-chosen start; lengths: {lengths.describe()}; "
+                             f"arrivals: {arrivals}",
+                 "mix": args.mix, "tpot_slo_ms": args.tpot_slo_ms,
+                 "ttft_slo_ms": args.ttft_slo_ms, "rate_unit_text": unit_text,
+                 "ar_capacity_rps": capacity, "seeds": len(args.seeds),
+                 "first_seed": args.seeds[0], "requests_per_cell": args.requests,
+                 "wall_s": time.time() - sweep.t0},
+        "policies": sweep.policies,
+        "classes": [c.name for c in mix],
+        "loads": loads_out,
+    }
+    paths = write_sweep(args.out, report, plots=not args.no_plots)
+    sweep.log("wrote " + ", ".join(str(p) for p in paths))
+    print((args.out / "sweep.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

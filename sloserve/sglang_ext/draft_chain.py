@@ -1,0 +1,202 @@
+"""SPECSERVE's draft side inside SGLang: a standalone draft model with its KV aligned to the
+sequence (imports SGLang; installed on the worker's draft worker by worker.py).
+
+SGLang 0.5.23 runs STANDALONE drafts through EAGLE's layout, where the draft's KV slot of
+position p holds token p + 1 (the input ids are rotated left by one, EAGLE's convention for
+a draft that reads the target's hidden state of p with token p + 1). For an ordinary LM
+draft this drops the sequence's first token from everything the draft sees: with draft =
+target the built-in pair accepted 0.88 of its drafts, not ~1 (measured; the tiny test pair
+0.67-1.0 per request; tests/sglang_runtime reproduce SGLang's algorithm exactly). Here the
+draft's slot of position p holds token p, as in sloserve's own engine:
+
+    prefill      the draft reads the prompt chunk as the target did (no rotation)
+    draft (k>0)  k forwards on the window SGLang reserved past seq_len L: the bonus token b
+                 at L gives d_1, d_1 at L + 1 gives d_2, ..., d_{k-1} at L + k - 1 gives d_k;
+                 each token's draft probability is its confidence
+    after verify the draft reads the verified window [b, d_1..d_k] at L..L + k, so every
+                 committed token has draft KV (the accepted d_k included, and b when k = 0)
+                 before its slots can be shared through the radix cache
+
+The chain goes to SGLang's own verify as [b, d_1..d_k] (topk 1). The multi-step attention
+backends are built here per k with k + 1 positions (SGLang's hold k - 1 draft forwards).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from sloserve.sglang_ext.chain_sampling import draft_pick
+from sloserve.sglang_ext.sglang_internals import (
+    CaptureHiddenMode,
+    DraftBackendFactory,
+    EagleDraftExtendInput,
+    EagleDraftInput,
+    ForwardBatch,
+    ForwardContext,
+    build_eagle_verify_input,
+    forward_context,
+    per_step_draft_out_cache_loc,
+    prepare_for_draft,
+    prepare_for_draft_extend,
+    replace_methods,
+)
+
+# (the batch, draft tokens [bs, k], confidences [bs, k]) of the chain just drafted
+ChainSink = Callable[[Any, torch.Tensor, torch.Tensor], None]
+# after each draft round: (the batch, the round's confidences [bs]) -> whether another
+# round runs (the session on the batch decides: worker.py)
+RoundHook = Callable[[Any, torch.Tensor], bool]
+# drafting stopped after s < k rounds: switch the worker to s rounds before the verify
+RoundsDone = Callable[[int], None]
+
+
+def sampled_batch(batch: Any) -> bool:
+    """Whether SPECSERVE samples this decode batch itself (chain_sampling.py): some request is
+    not greedy, and none needs what that sampler does not apply (a grammar, penalties, a
+    logit bias, min-p); those batches keep SGLang's verify (argmax on CPUs)."""
+    si = batch.sampling_info
+    if si is None or si.is_all_greedy or batch.has_grammar:
+        return False
+    return (si.acc_additive_penalties is None and si.acc_scaling_penalties is None
+            and si.logit_bias is None and not si.need_min_p_sampling)
+
+
+class AlignedDraft:
+    """Replaces the EAGLE-layout methods of SGLang's standalone draft worker `dw`."""
+
+    def __init__(self, dw: Any, k_max: int, on_chain: ChainSink | None = None,
+                 on_round: RoundHook | None = None, on_stop: RoundsDone | None = None) -> None:
+        self.dw = dw
+        self.on_chain = on_chain
+        self.on_round = on_round  # the plan's early stop (None: always k rounds)
+        self.on_stop = on_stop
+        self.k_max = k_max
+        # the draft distributions of the chain just drafted ([bs, k, V]) when the batch is
+        # sampled by SPECSERVE (sampled_batch), else None (greedy: SGLang's argmax verify)
+        self.last_q: torch.Tensor | None = None
+        self.backends: dict[int, Any] = {}  # k -> multi-step backend (built at first use:
+        # the draft's memory pool does not exist yet when the worker is built)
+
+    def backend(self, k: int) -> Any:
+        """The multi-step draft attention backend for k forwards (SGLang's factory builds one
+        for steps - 1 forwards, so it is asked for k + 1)."""
+        b = self.backends.get(k)
+        if b is None:
+            b = DraftBackendFactory(self.dw.draft_runner, 1, k + 1).create_decode_backend()
+            self.backends[k] = b
+        return b
+
+    def install(self) -> None:
+        replace_methods(self.dw, _draft_extend_for_prefill=self.prefill_extend,
+                        draft=self.draft, _draft_extend_for_decode=self.decode_extend)
+
+    # ----- prefill: the draft reads the chunk the target read
+    def prefill_extend(self, batch: Any, target_hidden_states: Any, next_token_ids: torch.Tensor,
+                       mm_input_embeds: Any = None, kv_loc_plan: Any = None) -> EagleDraftInput:
+        dw = self.dw
+        if not batch.forward_mode.is_idle():
+            batch.spec_info = EagleDraftExtendInput(
+                hidden_states=None, num_tokens_per_req=1, num_tokens_for_logprob_per_req=1)
+            fb = ForwardBatch.init_new(batch, dw.draft_runner,
+                                       capture_hidden_mode=CaptureHiddenMode.NULL,
+                                       return_hidden_states_before_norm=False,
+                                       kv_loc_plan=kv_loc_plan)
+            fb.return_logprob = False
+            dw.draft_runner.forward(fb)
+        return self._next_input(len(batch.seq_lens), next_token_ids)
+
+    def _next_input(self, bs: int, bonus: torch.Tensor) -> EagleDraftInput:
+        """The draft input SGLang carries to the next decode step: its bonus token (the
+        top-k fields are shape-valid stubs; this draft starts from the bonus itself)."""
+        dev = self.dw.device
+        return EagleDraftInput(
+            topk_p=torch.ones((bs, 1), dtype=torch.float32, device=dev),
+            topk_index=torch.zeros((bs, 1), dtype=torch.int64, device=dev),
+            hidden_states=None, bonus_tokens=bonus, capture_hidden_mode=CaptureHiddenMode.NULL,
+            num_tokens_per_req=1, num_tokens_for_logprob_per_req=1)
+
+    # ----- draft: k forwards from the bonus token
+    def draft(self, batch: Any, *, with_topology: bool = False) -> Any:
+        dw = self.dw
+        k = dw.speculative_num_steps
+        draft_input: EagleDraftInput = batch.spec_info
+        # slots of positions L..L + k (SGLang reserves them per decode step) and positions L
+        fb, _, _ = prepare_for_draft(draft_input, dw.req_to_token_pool, batch, None,
+                                     dw.draft_runner, 1, k + 1)
+        bs = len(batch.seq_lens)
+        backend = self.backend(k)
+        backend.init_forward_metadata(fb)
+        fb.mark_forward_metadata_ready()
+        locs = per_step_draft_out_cache_loc(fb.out_cache_loc, bs, 1, k + 1)  # [k + 1, bs]
+        tokens = draft_input.bonus_tokens.to(torch.int64).reshape(bs)
+        drafts, confs, qs = [], [], []
+        si = batch.sampling_info
+        sampled = sampled_batch(batch)
+        # greedy confidences only when someone reads them (the plan's early stop, a chain
+        # sink): the uniform mode's greedy rounds are a bare argmax, as SGLang's own topk-1
+        # draft off CUDA
+        want_conf = self.on_round is not None or self.on_chain is not None
+        for i in range(k):
+            fb.input_ids = tokens
+            fb.out_cache_loc = locs[i]
+            with forward_context(ForwardContext(attn_backend=backend.attn_backends[i]),
+                                 forward_batch=fb):
+                logits = dw.draft_runner.forward(fb).logits_output.next_token_logits  # [bs, V]
+            if sampled:
+                tokens, conf, q = draft_pick(logits, si.temperatures.reshape(-1), si.top_ks,
+                                             si.top_ps)
+                qs.append(q)
+            elif want_conf:  # p(argmax) = exp(max - logsumexp): no [bs, V] softmax
+                top, tokens = logits.max(dim=-1)  # [bs] each
+                conf = torch.exp(top.float() - torch.logsumexp(logits.float(), dim=-1))
+            else:
+                tokens = logits.argmax(dim=-1)  # [bs]
+                conf = None
+            drafts.append(tokens)
+            if conf is not None:
+                confs.append(conf)
+            fb.positions.add_(1)
+            # on_round set: want_conf, so every round has a confidence
+            if self.on_round is not None and conf is not None \
+                    and not self.on_round(batch, conf):
+                break  # the plan: one more round would lower the expected goodput
+        if len(drafts) < k:
+            # fewer rounds than prepared: the verify (and the draft extend after it) use the
+            # runtime state of that many rounds; its KV slots are a prefix of the reserved ones
+            k = len(drafts)
+            assert self.on_stop is not None
+            self.on_stop(k)
+        draft_tokens = torch.stack(drafts, dim=1)  # [bs, k]
+        self.last_q = torch.stack(qs, dim=1) if sampled else None
+        if self.on_chain is not None:  # want_conf: a confidence per round
+            self.on_chain(batch, draft_tokens, torch.stack(confs, dim=1))
+        verify_input = build_eagle_verify_input(
+            batch, draft_input, dw._topk1_parents_prealloc[:bs],
+            dw._topk1_score_indices_prealloc[:bs], draft_tokens, None,
+            target_worker=dw.target_worker, topk=1, num_steps=k, num_draft_tokens=k + 1,
+            tree_mask_mode=dw.tree_mask_mode, device=dw.device)
+        if with_topology:
+            return verify_input, dw._topk1_parents_prealloc[:bs], \
+                dw._topk1_score_indices_prealloc[:bs]
+        return verify_input
+
+    # ----- after verify: the draft reads the verified window
+    def decode_extend(self, batch: Any, batch_result: Any, *, kv_loc_plan: Any = None) -> None:
+        dw = self.dw
+        verify_input = batch.spec_info
+        n = verify_input.draft_token_num  # k + 1 (1 after a plain step)
+        window = verify_input.draft_token.to(torch.int64).reshape(-1)  # [bs * n]: b, d_1..d_k
+        accept = batch_result.accept_lens
+        ext = EagleDraftExtendInput(hidden_states=None, num_correct_drafts=accept - 1,
+                                    num_accept_tokens=accept, num_tokens_per_req=n,
+                                    num_tokens_for_logprob_per_req=n)
+        fb = prepare_for_draft_extend(ext, batch, window, n, dw.draft_runner, None,
+                                      return_hidden_states_before_norm=False,
+                                      kv_loc_plan=kv_loc_plan)
+        dw.draft_runner.forward(fb)
+        nxt = batch_result.next_draft_input
+        stub = self._next_input(len(batch.seq_lens), nxt.bonus_tokens)
+        nxt.topk_p, nxt.topk_index, nxt.hidden_states = stub.topk_p, stub.topk_index, None

@@ -1,0 +1,130 @@
+"""What the SPECSERVE worker takes from its environment: one serialised WorkerConfig (the
+speculation config both engines share, sloserve/spec_config.py, plus the worker's own
+settings) in SLOSERVE_SGLANG_CONFIG, set by `python -m sloserve.launch --engine sglang`
+from its options; and the cost profile of SGLang's forwards for the model pair on this
+device.
+
+A request's own SLO: `tpot_slo` in its sampling params, directly or in custom_params
+(sloserve/slo.py). Profiles of SGLang's forwards are keyed like the built-in engine's, with
+the device key prefixed by "sglang-" (`python -m sloserve.profiler --engine sglang` writes
+one); without one the worker starts from a rough estimate from the models' shapes and
+corrects it online from measured steps (docs/design.md sec. 6).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from sloserve.estimator.cost_model import CostModel, rough_cost
+from sloserve.estimator.profile_file import Profile, find_profile, model_key, read_profile
+from sloserve.estimator.profile_lookup import default_dirs, device_key, fingerprint
+from sloserve.policies.registry import make_policy
+from sloserve.sglang_ext.controller import StepController
+from sloserve.spec_config import SpeculationConfig
+
+log = logging.getLogger(__name__)
+
+ENV_CONFIG = "SLOSERVE_SGLANG_CONFIG"
+LENGTHS = ("uniform", "per-request")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything the SPECSERVE worker is told, serialised into one environment variable."""
+
+    spec: SpeculationConfig = SpeculationConfig()
+    # uniform: one length per batch before drafting (the plan's batch_rounds); per-request:
+    # the plan stops drafting round by round and each request verifies its own k_r (a
+    # ragged verify; 10-15% slower on a CPU, docs/design.md sec. 13)
+    lengths: str = "uniform"
+    profile: str | None = None  # a profile file to use instead of the lookup
+    sweep: tuple[int, ...] = ()  # profiling: draft lengths to cycle through (uniform steps)
+    timings: str | None = None  # profiling: a file that gets one JSON line a step
+    step_log: str | None = None  # a file that gets one JSON line per per-request step
+    # TEST ONLY: k per batch row (cyclic); every request drafts k_max, row i verifies k[i]
+    test_verify_lens: tuple[int, ...] = ()
+    # TEST ONLY: a deliberately wrong acceptance rule for sampled batches (all accepted)
+    test_accept_all: bool = False
+
+    def __post_init__(self) -> None:
+        if self.lengths not in LENGTHS:
+            raise ValueError(f"lengths must be one of {', '.join(LENGTHS)}, got "
+                             f"{self.lengths!r}")
+        if any(x < 0 for x in (*self.sweep, *self.test_verify_lens)):
+            raise ValueError("sweep and test_verify_lens must be non-negative integers")
+
+    @property
+    def per_request(self) -> bool:
+        return self.lengths == "per-request" and not self.sweep
+
+    def to_json(self) -> str:
+        d = dataclasses.asdict(self)
+        d["spec"] = json.loads(self.spec.to_json())
+        return json.dumps(d, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerConfig:
+        d = json.loads(text)
+        known = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(d, dict) or set(d) - known:
+            raise ValueError(f"{ENV_CONFIG}: not a WorkerConfig: {text[:200]!r}")
+        d["spec"] = SpeculationConfig.from_dict(d.get("spec", {}))
+        for name in ("sweep", "test_verify_lens"):
+            d[name] = tuple(int(x) for x in d.get(name, ()))
+        return cls(**d)
+
+
+def worker_config() -> WorkerConfig:
+    """The worker's config from SLOSERVE_SGLANG_CONFIG (the shared defaults when unset)."""
+    raw = os.environ.get(ENV_CONFIG)
+    return WorkerConfig.from_json(raw) if raw else WorkerConfig()
+
+
+def sglang_device_key(device: str) -> str:
+    return f"sglang-{device_key(device)}"
+
+
+def find_sglang_profile(target_path: str, draft_path: str, device: str,
+                        dtype: str, explicit: str | None = None) -> Profile | None:
+    if explicit:
+        return read_profile(explicit)
+    keys = (model_key(target_path, fingerprint(target_path)),
+            model_key(draft_path, fingerprint(draft_path)), sglang_device_key(device), dtype)
+    for d in default_dirs():
+        path = find_profile(d, *keys)
+        if path is not None:
+            log.info("SPECSERVE cost profile: %s", path)
+            return read_profile(path)
+    return None
+
+
+def load_cost(target_path: str, draft_path: str, device: str, dtype: str,
+              explicit: str | None = None) -> tuple[CostModel, Any]:
+    """The cost model of SGLang's forwards and the pair's calibration counts (or None)."""
+    profile = find_sglang_profile(target_path, draft_path, device, dtype, explicit)
+    if profile is not None:
+        return profile.cost_model(), profile.calibration
+    from sloserve.runtime.models.config import load_config
+
+    log.warning("SPECSERVE: no cost profile of SGLang's forwards for this pair and device; "
+                "starting from a rough estimate (python -m sloserve.profiler --engine sglang "
+                "measures one)")
+    return rough_cost(load_config(target_path), load_config(draft_path)), None
+
+
+def make_controller(cfg: WorkerConfig, target_path: str, draft_path: str, k_max: int,
+                    device: str, dtype: str = "auto") -> StepController:
+    """The worker's controller: the config's policy built by the registry (any policy;
+    k_max: SGLang's largest runtime state) on the cost model of SGLang's forwards."""
+    cost, calibration = load_cost(target_path, draft_path, device, dtype, cfg.profile)
+    spec = cfg.spec
+    policy = make_policy(spec.policy, cost, k_max=k_max, calibration=calibration,
+                         options=spec.options)
+    return StepController(policy, k_max, spec.tpot_slo, per_request=cfg.per_request,
+                          sweep=cfg.sweep, timings_path=cfg.timings,
+                          forced_lengths=cfg.test_verify_lens, step_log_path=cfg.step_log)
