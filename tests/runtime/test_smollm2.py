@@ -215,3 +215,17 @@ def test_broken_cache_is_rebuilt_never_loaded(smollm2_dir, tmp_path):
     assert cache_problem(rebuilt) is None
     assert file_sha256(rebuilt / "model.safetensors") == \
         file_sha256(Path(smollm2_dir) / "model.safetensors")  # conversion is deterministic
+
+
+def test_each_engine_drafts_with_what_measured_better():
+    """The built-in engine's default drafter for smollm2 is the n-gram drafter (its distilled
+    draft's tokens are accepted less often and cost a forward each, BENCHMARKS.md); the draft
+    ships and is
+    what `--drafter model` and SGLang's runtime use; the built-in pair keeps its draft."""
+    from sloserve.runtime.models.presets import default_drafter, preset_has_draft, resolve_pair
+
+    assert default_drafter("smollm2") == "ngram"
+    assert default_drafter(None) == "model" and default_drafter("builtin") == "model"
+    assert preset_has_draft("smollm2")
+    target, draft = resolve_pair("smollm2", None, "model")
+    assert draft is not None and Path(draft, "config.json").is_file()

