@@ -86,7 +86,13 @@ def to_engine_params(
     values = {**sp.model_dump(), "tpot_slo": slos["tpot_slo"], "ttft_slo": slos["ttft_slo"],
               "sampling_seed": sp.sampling_seed if sp.sampling_seed is not None else sp.seed,
               "token_ids_logprob": logprob_token_ids}
-    return engine_params("generate", values, max_new_tokens=max_new_tokens, logprobs=logprobs)
+    try:
+        return engine_params("generate", values, max_new_tokens=max_new_tokens,
+                             logprobs=logprobs)
+    except APIError as e:  # a bad seed is named by the key the client sent (alias or not)
+        if e.param == "sampling_params.sampling_seed" and sp.sampling_seed is None:
+            raise APIError.bad("sampling_params.seed", e.message.split(": ", 1)[-1]) from None
+        raise
 
 
 def stream_interval(value: int | None, name: str) -> int:

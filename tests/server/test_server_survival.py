@@ -92,7 +92,7 @@ BAD = [
     ("seed 10**30", "/generate", {"text": "hi", "sampling_params": {"seed": 10**30}},
      "sampling_params.seed"),
     ("sampling_seed -2**64", "/generate", {"text": "hi", "sampling_params": {
-        "sampling_seed": -2**64}}, "sampling_params.seed"),
+        "sampling_seed": -2**64}}, "sampling_params.sampling_seed"),
     ("openai seed 10**30", "/v1/completions", {"model": "m", "prompt": "hi", "seed": 10**30},
      "seed"),
     ("chat seed 2**64", "/v1/chat/completions", {"model": "m", "seed": 2**64, "messages": [

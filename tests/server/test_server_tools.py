@@ -116,6 +116,33 @@ def test_auto_reads_a_call_whole_and_streamed(servers):
         assert plain.usage.prompt_tokens > bare.usage.prompt_tokens
 
 
+def forced_calls(srv, tool_choice, names, max_tokens: int, workers: int,
+                 n: int = 50) -> list[list[tuple[str, dict]]]:
+    """n sampled answers (temperature 1, seeds 0..n-1, every fifth streamed) to ASK with
+    `tool_choice`, each checked to be a call of one of `names` whose arguments validate
+    against its function's schema; returns them."""
+
+    def ask(seed: int) -> list[tuple[str, dict]]:
+        with _client(srv) as oai:
+            kw = dict(model="m", messages=ASK, tools=TOOLS, tool_choice=tool_choice,
+                      max_tokens=max_tokens, temperature=1.0, seed=seed,
+                      parallel_tool_calls=False)
+            if seed % 5 == 0:
+                _, calls, finish = _streamed(oai.chat.completions.create(**kw, stream=True))
+                assert finish == "tool_calls" and calls  # (_streamed validates each)
+                return calls
+            r = oai.chat.completions.create(**kw)
+            ch = r.choices[0]
+            assert ch.finish_reason == "tool_calls" and ch.message.content is None
+            return _check_calls(ch.message.tool_calls, names)
+
+    with ThreadPoolExecutor(workers) as pool:
+        answers = list(pool.map(ask, range(n)))
+    assert all(answers) and len(answers) == n
+    assert {name for calls in answers for name, _ in calls} <= set(names)
+    return answers
+
+
 @pytest.mark.parametrize("choice", ["required", "named"])
 def test_forced_calls_always_validate(servers, choice):
     """50 sampled answers (temperature 1, different seeds): every one is a call whose
@@ -123,24 +150,7 @@ def test_forced_calls_always_validate(servers, choice):
     tool_choice = "required" if choice == "required" else {
         "type": "function", "function": {"name": "add"}}
     names = ("get_weather", "add") if choice == "required" else ("add",)
-
-    def ask(seed: int) -> list[tuple[str, dict]]:
-        with _client(servers["default"]) as oai:
-            kw = dict(model="m", messages=ASK, tools=TOOLS, tool_choice=tool_choice,
-                      max_tokens=192, temperature=1.0, seed=seed, parallel_tool_calls=False)
-            if seed % 5 == 0:
-                _, calls, finish = _streamed(oai.chat.completions.create(**kw, stream=True))
-                assert finish == "tool_calls" and calls
-                return calls
-            r = oai.chat.completions.create(**kw)
-            ch = r.choices[0]
-            assert ch.finish_reason == "tool_calls" and ch.message.content is None
-            return _check_calls(ch.message.tool_calls, names)
-
-    with ThreadPoolExecutor(4) as pool:
-        answers = list(pool.map(ask, range(50)))
-    assert all(answers) and len(answers) == 50
-    assert {n for calls in answers for n, _ in calls} <= set(names)
+    answers = forced_calls(servers["default"], tool_choice, names, max_tokens=192, workers=4)
     assert len({json.dumps(a) for a in answers}) > 10  # sampled, not one answer
     if choice == "required":
         assert {n for calls in answers for n, _ in calls} == set(names)
