@@ -28,10 +28,18 @@ Here (our adaptation; the paper builds trees and its text is not in this reposit
   path probability until the budget is spent (the greedy rule across requests);
 - the token budget (total query tokens of the verify forward, the B bonus rows included):
   the target's roofline knee q0 when profiled, else c_t / b_t (where the forward's compute
-  equals its fixed weight-read cost); `adaserve:D` sets the depth D (default 4).
+  equals its fixed weight-read cost); prefill chunks in the forward spend it first;
+- AdaServe sizes its draft trees to the budget (its authors' implementation, FlexFlow Serve
+  branch `specscheduler`, `update_token_tree_depth`: depth = min(max depth, ceil(budget /
+  B)), the budget counting every request's verify row): a step drafts
+  min(D, ceil(rows / B)) rounds, rows = the budget the prefill leaves, and none when the B
+  verify rows use up `rows` (nothing drafted could be verified); `adaserve:D` sets the most
+  rounds D (default 4).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -52,6 +60,17 @@ def default_token_budget(cost: CostModel) -> int:
     if t.b <= 0.0:
         return 1 << 20  # free tokens: no budget binds
     return max(1, int(t.c / t.b))
+
+
+def step_depth(max_depth: int, rows: int, batch: int) -> int:
+    """Draft rounds of the step for a budget of `rows` verify tokens, the B requests' own
+    rows included: min(max_depth, ceil(rows / B)) (AdaServe's depth rule; ceil(rows / B) is
+    ceil(draft share) + 1, so a chain reaches one token past its share of the draft tokens,
+    which phase 2 gives to the likelier ones), 0 when the B rows use up `rows` (no draft
+    token could be verified)."""
+    if batch <= 0 or max_depth <= 0 or rows <= batch:
+        return 0
+    return min(max_depth, math.ceil(rows / batch))
 
 
 def select_tokens(P: np.ndarray, drafted: np.ndarray, need: np.ndarray,
@@ -88,7 +107,7 @@ def select_tokens(P: np.ndarray, drafted: np.ndarray, need: np.ndarray,
 
 
 class AdaServePlan(SpecPlan):
-    """Draft `depth` tokens each, then select what to verify (select_tokens)."""
+    """Draft the step's depth each, then select what to verify (select_tokens)."""
 
     def __init__(self, step: StepInfo, policy: AdaServePolicy, depth: int) -> None:
         self.step = step
@@ -141,7 +160,9 @@ class AdaServePolicy(SpecPolicy):
 
     def plan(self, step: StepInfo) -> SpecPlan:
         self.clock.track(step.request_ids)
-        return AdaServePlan(step, self, max(0, min(self.depth, step.k_max)))
+        rows = self.token_budget - step.prefill_tokens  # what the prefill chunks leave
+        depth = step_depth(max(0, min(self.depth, step.k_max)), rows, step.batch_size)
+        return AdaServePlan(step, self, depth)
 
     def observe(self, plan: SpecPlan, outcome: VerifyOutcome) -> None:
         self.g.update(outcome.confidences, outcome.verified, outcome.accepted)

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from sloserve.bench.synthetic import SyntheticWorkload, cpu_cost_model, drive_step, make_step
 from sloserve.estimator.step_time import StepTimer
-from sloserve.policies.adaserve import AdaServePolicy, default_token_budget, select_tokens
+from sloserve.policies.adaserve import (
+    AdaServePolicy,
+    default_token_budget,
+    select_tokens,
+    step_depth,
+)
 from sloserve.policies.registry import make_policy
 from sloserve.policies.request_clock import RequestClock
 from sloserve.policies.specserve import SpecServePolicy
@@ -144,8 +151,48 @@ def test_adaserve_needs_follow_the_clock():
 def test_adaserve_drafts_its_depth_and_verifies_within_the_budget():
     policy = make_policy("adaserve:3", COST, k_max=8)
     assert isinstance(policy, AdaServePolicy) and policy.depth == 3
-    step = make_step(40, slo=0.2)
-    out = drive_step(policy, step, SyntheticWorkload(np.random.default_rng(1)), np.full(40, 0.7))
+    assert default_token_budget(COST) == int(COST.target.c / COST.target.b) == 18
+    step = make_step(4, slo=0.2)  # 18 / 4 rows per request: ceil 5, the depth 3 binds
+    out = drive_step(policy, step, SyntheticWorkload(np.random.default_rng(1)), np.full(4, 0.7))
     assert out.drafted.max() == 3
-    assert 40 + out.verified.sum() <= max(policy.token_budget, 40)
-    assert default_token_budget(COST) == int(COST.target.c / COST.target.b)
+    assert 4 + out.verified.sum() <= policy.token_budget
+
+
+def test_adaserve_drafts_nothing_when_the_batch_uses_up_the_budget():
+    """40 verify rows past a budget of 18: no draft token could be verified, so none is
+    drafted (the old rule drafted its depth and verified none of it)."""
+    policy = make_policy("adaserve:3", COST, k_max=8)
+    step = make_step(40, slo=0.2)
+    plan = policy.plan(step)
+    assert not plan.drafting.any() and plan.batch_rounds() == 0
+    out = drive_step(policy, step, SyntheticWorkload(np.random.default_rng(1)), np.full(40, 0.7))
+    assert out.drafted.sum() == 0 and out.verified.sum() == 0
+
+
+def test_step_depth_is_the_budget_per_request_rounded_up():
+    assert step_depth(4, 226, 35) == 4  # 6.5 rows per request: the most rounds bind
+    assert step_depth(4, 226, 64) == 4  # 3.53: ceil
+    assert step_depth(4, 226, 100) == 3
+    assert step_depth(4, 226, 150) == 2
+    assert step_depth(4, 226, 225) == 2  # one row to spare: a draft token can be verified
+    assert step_depth(4, 226, 226) == 0  # the verify rows take the whole budget
+    assert step_depth(4, 226, 0) == 0 and step_depth(0, 226, 10) == 0
+
+
+@pytest.mark.parametrize("batch, rounds", [(10, 4), (30, 4), (40, 3), (60, 2), (99, 2),
+                                           (100, 0), (150, 0)])
+def test_adaserve_plan_drafts_the_steps_depth(batch, rounds):
+    policy = AdaServePolicy(COST, 8, depth=4, token_budget=100)
+    plan = policy.plan(make_step(batch, slo=0.05))
+    assert plan.batch_rounds() == rounds
+    assert plan.drafting.all() if rounds else not plan.drafting.any()
+    # k_max caps the rounds too
+    assert policy.plan(make_step(batch, k_max=2)).batch_rounds() == min(rounds, 2)
+
+
+def test_adaserve_prefill_in_the_forward_spends_the_budget_first():
+    policy = AdaServePolicy(COST, 8, depth=4, token_budget=100)
+    step = make_step(20, slo=0.05)
+    assert policy.plan(step).batch_rounds() == 4
+    assert policy.plan(dataclasses.replace(step, prefill_tokens=50)).batch_rounds() == 3
+    assert policy.plan(dataclasses.replace(step, prefill_tokens=80)).batch_rounds() == 0
