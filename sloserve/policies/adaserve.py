@@ -26,15 +26,19 @@ Here (our adaptation; the paper builds trees and its text is not in this reposit
   draft tokens need_r = that - 1 (the verify's own token);
 - phase 1 when the budget cannot meet every need: candidates of unmet needs in descending
   path probability until the budget is spent (the greedy rule across requests);
-- the token budget (total query tokens of the verify forward, the B bonus rows included):
-  the target's roofline knee q0 when profiled, else c_t / b_t (where the forward's compute
-  equals its fixed weight-read cost); prefill chunks in the forward spend it first;
+- the token budget (the verify forward's query tokens of the decode batch, its B own rows
+  included): the target's roofline knee q0 when profiled, else c_t / b_t (where the
+  forward's compute equals its fixed weight-read cost). The authors' engine runs prefill in
+  iterations of its own, so its budget is a decode iteration's; ours fuses prefill chunks
+  into the verify forward, and under the linear cost model a draft row costs b_t there
+  whether a chunk rides along or not, so the budget stays the decode batch's and the chunk
+  is priced in the step time only (spending it on the chunk first left 34% of the steps at
+  4x load with no row for a draft token);
 - AdaServe sizes its draft trees to the budget (its authors' implementation, FlexFlow Serve
   branch `specscheduler`, `update_token_tree_depth`: depth = min(max depth, ceil(budget /
   B)), the budget counting every request's verify row): a step drafts
-  min(D, ceil(rows / B)) rounds, rows = the budget the prefill leaves, and none when the B
-  verify rows use up `rows` (nothing drafted could be verified); `adaserve:D` sets the most
-  rounds D (default 4).
+  min(D, ceil(budget / B)) rounds, none when the B verify rows use up the budget (nothing
+  drafted could be verified); `adaserve:D` sets the most rounds D (default 4).
 """
 
 from __future__ import annotations
@@ -124,9 +128,9 @@ class AdaServePlan(SpecPlan):
             return drafted.copy()
         pol, step = self.policy, self.step
         P = chain_probs(pol.g(np.asarray(confidences, dtype=np.float64)))
-        predicted = StepTimer(pol.cost, step).plan(drafted, drafted)
+        predicted = StepTimer(pol.cost, step).plan(drafted, drafted)  # prefill included
         need = pol.needs(step, predicted)
-        budget = pol.token_budget - step.batch_size - step.prefill_tokens
+        budget = pol.token_budget - step.batch_size
         return select_tokens(P, drafted, need, budget)
 
 
@@ -160,8 +164,8 @@ class AdaServePolicy(SpecPolicy):
 
     def plan(self, step: StepInfo) -> SpecPlan:
         self.clock.track(step.request_ids)
-        rows = self.token_budget - step.prefill_tokens  # what the prefill chunks leave
-        depth = step_depth(max(0, min(self.depth, step.k_max)), rows, step.batch_size)
+        depth = step_depth(max(0, min(self.depth, step.k_max)), self.token_budget,
+                           step.batch_size)
         return AdaServePlan(step, self, depth)
 
     def observe(self, plan: SpecPlan, outcome: VerifyOutcome) -> None:
