@@ -123,6 +123,56 @@ def test_selection_meets_needs_first_then_highest_path_probability():
                                   [3, 3])
 
 
+def test_phase_one_serves_the_smallest_needs_first_when_the_budget_cannot_meet_all():
+    """The authors' rule: requests in ascending need, each to its need, until the budget is
+    spent. A request far behind its SLO (its need past its whole chain) comes last, even with
+    the likelier tokens; the old rule (unmet needs' tokens by path probability) gave it all
+    three rows."""
+    P = np.array([[0.95, 0.9, 0.85, 0.8],   # far behind: needs more than its chain holds
+                  [0.6, 0.4, 0.3, 0.2],     # needs 0.5: one token
+                  [0.7, 0.5, 0.4, 0.3]])    # needs 1.2: two tokens
+    need = np.array([4.0, 0.5, 1.2])
+    np.testing.assert_array_equal(select_tokens(P, np.full(3, 4), need, 3), [0, 1, 2])
+    # the request the budget runs out on gets what is left, then phase 2 has nothing
+    np.testing.assert_array_equal(select_tokens(P, np.full(3, 4), need, 5), [2, 1, 2])
+    # ties in batch order
+    np.testing.assert_array_equal(
+        select_tokens(P[[1, 1]], np.full(2, 4), np.array([0.5, 0.5]), 1), [1, 0])
+
+
+def test_phase_one_takes_at_most_the_cap_per_request():
+    P = np.array([[0.9, 0.8, 0.7, 0.6],
+                  [0.99, 0.98, 0.97, 0.96]])
+    need = np.array([3.0, 0.0])  # the first needs all four
+    np.testing.assert_array_equal(select_tokens(P, np.full(2, 4), need, 4), [4, 0])
+    # capped at 2 in phase 1; phase 2 then takes the likeliest left: the second's
+    np.testing.assert_array_equal(select_tokens(P, np.full(2, 4), need, 4, cap=2), [2, 2])
+
+
+def test_adaserve_caps_needs_at_the_depth_and_shares_the_budget_in_order():
+    """Needs past the chain tie at the depth (batch order decides), so phase 1 does not rank
+    requests by how far behind they already are; the cap is int(1.2 budget / B)."""
+    policy = AdaServePolicy(COST, 8, depth=4, token_budget=5)  # 2 rows + 3 draft tokens
+    step = make_step(2, slo=0.05)
+    plan = policy.plan(step)
+    assert plan.batch_rounds() == 3  # ceil(5 / 2)
+    conf = np.full((2, 3), 0.9)
+    policy.needs = lambda step, t: np.array([400.0, 500.0])  # both far behind
+    np.testing.assert_array_equal(plan.verify_lengths(conf, np.full(2, 3)), [3, 0])
+    policy.needs = lambda step, t: np.array([400.0, 0.05])  # the second can be kept
+    k = plan.verify_lengths(conf, np.full(2, 3))
+    assert k[1] >= 1 and k.sum() == 3
+    # 16 rows for 5: depth ceil(3.2) = 4, cap int(1.2 * 3.2) = 3, 11 draft tokens
+    policy = AdaServePolicy(COST, 8, depth=4, token_budget=16)
+    plan = policy.plan(make_step(5, slo=0.05))
+    assert plan.batch_rounds() == 4
+    policy.needs = lambda step, t: np.array([9.0, 9.0, 0.0, 0.0, 0.0])
+    k = plan.verify_lengths(np.full((5, 4), 0.9), np.full(5, 4))
+    # phase 1: 3 + 3; phase 2 the 5 likeliest left: the others' first and two second tokens
+    # (uncapped: 4 + 4, then the others' first tokens, [4, 4, 1, 1, 1])
+    np.testing.assert_array_equal(k, [3, 3, 2, 2, 1])
+
+
 def test_selection_respects_drafted_lengths_and_keeps_prefixes():
     rng = np.random.default_rng(0)
     for _ in range(50):
