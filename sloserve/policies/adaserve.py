@@ -48,7 +48,9 @@ Here (our adaptation):
   4x load with no row for a draft token, and the old rule drafted 4 tokens there anyway);
 - the depth of a step is min(D, ceil(budget / B)), 0 when the B verify rows use up the
   budget (nothing drafted could be verified); `adaserve:D` sets the most rounds D
-  (default 4).
+  (default 4);
+- the step time T of the needs carries the authors' correction factor 1.05 (the need of a
+  request on its SLO is then a little over what keeps it there, not exactly that).
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ ADASERVE_DEPTH = 4
 # most draft tokens one request takes toward its SLO, as a multiple of the budget per request
 # (the authors' implementation: 1.2 x tokens per batch / requests)
 SLO_SHARE = 1.2
+# the step time of the needs is scaled by this (the authors' correction factor)
+STEP_TIME_MARGIN = 1.05
 
 
 def default_token_budget(cost: CostModel) -> int:
@@ -160,7 +164,7 @@ class AdaServePlan(SpecPlan):
         predicted = StepTimer(pol.cost, step).plan(drafted, drafted)  # prefill included
         # a need past the chain asks for every token drafted: capped at the depth, phase 1
         # does not rank requests by how far behind they already are
-        need = np.minimum(pol.needs(step, predicted), float(self.depth))
+        need = np.minimum(pol.needs(step, STEP_TIME_MARGIN * predicted), float(self.depth))
         budget = pol.token_budget
         return select_tokens(P, drafted, need, budget - B, slo_cap(budget, B))
 

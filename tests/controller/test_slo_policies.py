@@ -10,6 +10,7 @@ import pytest
 from sloserve.bench.synthetic import SyntheticWorkload, cpu_cost_model, drive_step, make_step
 from sloserve.estimator.step_time import StepTimer
 from sloserve.policies.adaserve import (
+    STEP_TIME_MARGIN,
     AdaServePolicy,
     default_token_budget,
     select_tokens,
@@ -196,6 +197,25 @@ def test_adaserve_needs_follow_the_clock():
     np.testing.assert_allclose(need, [0.0, 10.0])  # (2.1 / 0.1) - 10 - 1
     no_slo = make_step(1, ids=["on"])
     assert policy.needs(no_slo, 0.1)[0] == 0.0
+
+
+def test_adaserve_needs_use_the_predicted_step_time_with_the_authors_margin():
+    policy = AdaServePolicy(COST, 8, depth=3)
+    step = make_step(3, slo=0.05)
+    plan = policy.plan(step)
+    seen: list[float] = []
+
+    def needs(step, step_time):
+        seen.append(step_time)
+        return np.zeros(step.batch_size)
+
+    policy.needs = needs
+    drafted = np.array([3, 2, 0])
+    conf = np.where(np.arange(3)[None, :] < drafted[:, None], 0.8, np.nan)
+    plan.verify_lengths(conf, drafted)
+    predicted = StepTimer(COST, step).plan(drafted, drafted)  # everything drafted verified
+    assert STEP_TIME_MARGIN == 1.05
+    assert seen == [pytest.approx(1.05 * predicted)]
 
 
 def test_adaserve_drafts_its_depth_and_verifies_within_the_budget():
