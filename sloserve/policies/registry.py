@@ -13,7 +13,8 @@ Specs (a name, optionally ':' and an argument):
     specserve           SpecServe adaptive drafter + confidence-prior verifier
     specserve-slo       SpecServe held to per-request TPOT budgets (SLO + slack), not the
                         batch's tightest SLO (policies/specserve/slo_policy.py)
-    adaserve[:D]        AdaServe's SLO-customized selection over chains of depth D (default 4)
+    adaserve[:D]        AdaServe's SLO-customized selection over chains of at most D tokens
+                        (default 4), as deep as the verify budget per request reaches
 
 `drafter` is the draft source: "model" (a draft LLM) or "ngram" (prompt lookup; pass a
 cost model whose draft forward is ~free, e.g. ForwardCost.free()). It changes the goodput

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from sloserve.bench.synthetic import SyntheticWorkload, cpu_cost_model, drive_step, make_step
 from sloserve.estimator.step_time import StepTimer
-from sloserve.policies.adaserve import AdaServePolicy, default_token_budget, select_tokens
+from sloserve.policies.adaserve import (
+    STEP_TIME_MARGIN,
+    AdaServePolicy,
+    default_token_budget,
+    select_tokens,
+    step_depth,
+)
 from sloserve.policies.registry import make_policy
 from sloserve.policies.request_clock import RequestClock
 from sloserve.policies.specserve import SpecServePolicy
@@ -116,6 +124,56 @@ def test_selection_meets_needs_first_then_highest_path_probability():
                                   [3, 3])
 
 
+def test_phase_one_serves_the_smallest_needs_first_when_the_budget_cannot_meet_all():
+    """The authors' rule: requests in ascending need, each to its need, until the budget is
+    spent. A request far behind its SLO (its need past its whole chain) comes last, even with
+    the likelier tokens; the old rule (unmet needs' tokens by path probability) gave it all
+    three rows."""
+    P = np.array([[0.95, 0.9, 0.85, 0.8],   # far behind: needs more than its chain holds
+                  [0.6, 0.4, 0.3, 0.2],     # needs 0.5: one token
+                  [0.7, 0.5, 0.4, 0.3]])    # needs 1.2: two tokens
+    need = np.array([4.0, 0.5, 1.2])
+    np.testing.assert_array_equal(select_tokens(P, np.full(3, 4), need, 3), [0, 1, 2])
+    # the request the budget runs out on gets what is left, then phase 2 has nothing
+    np.testing.assert_array_equal(select_tokens(P, np.full(3, 4), need, 5), [2, 1, 2])
+    # ties in batch order
+    np.testing.assert_array_equal(
+        select_tokens(P[[1, 1]], np.full(2, 4), np.array([0.5, 0.5]), 1), [1, 0])
+
+
+def test_phase_one_takes_at_most_the_cap_per_request():
+    P = np.array([[0.9, 0.8, 0.7, 0.6],
+                  [0.99, 0.98, 0.97, 0.96]])
+    need = np.array([3.0, 0.0])  # the first needs all four
+    np.testing.assert_array_equal(select_tokens(P, np.full(2, 4), need, 4), [4, 0])
+    # capped at 2 in phase 1; phase 2 then takes the likeliest left: the second's
+    np.testing.assert_array_equal(select_tokens(P, np.full(2, 4), need, 4, cap=2), [2, 2])
+
+
+def test_adaserve_caps_needs_at_the_depth_and_shares_the_budget_in_order():
+    """Needs past the chain tie at the depth (batch order decides), so phase 1 does not rank
+    requests by how far behind they already are; the cap is int(1.2 budget / B)."""
+    policy = AdaServePolicy(COST, 8, depth=4, token_budget=5)  # 2 rows + 3 draft tokens
+    step = make_step(2, slo=0.05)
+    plan = policy.plan(step)
+    assert plan.batch_rounds() == 3  # ceil(5 / 2)
+    conf = np.full((2, 3), 0.9)
+    policy.needs = lambda step, t: np.array([400.0, 500.0])  # both far behind
+    np.testing.assert_array_equal(plan.verify_lengths(conf, np.full(2, 3)), [3, 0])
+    policy.needs = lambda step, t: np.array([400.0, 0.05])  # the second can be kept
+    k = plan.verify_lengths(conf, np.full(2, 3))
+    assert k[1] >= 1 and k.sum() == 3
+    # 16 rows for 5: depth ceil(3.2) = 4, cap int(1.2 * 3.2) = 3, 11 draft tokens
+    policy = AdaServePolicy(COST, 8, depth=4, token_budget=16)
+    plan = policy.plan(make_step(5, slo=0.05))
+    assert plan.batch_rounds() == 4
+    policy.needs = lambda step, t: np.array([9.0, 9.0, 0.0, 0.0, 0.0])
+    k = plan.verify_lengths(np.full((5, 4), 0.9), np.full(5, 4))
+    # phase 1: 3 + 3; phase 2 the 5 likeliest left: the others' first and two second tokens
+    # (uncapped: 4 + 4, then the others' first tokens, [4, 4, 1, 1, 1])
+    np.testing.assert_array_equal(k, [3, 3, 2, 2, 1])
+
+
 def test_selection_respects_drafted_lengths_and_keeps_prefixes():
     rng = np.random.default_rng(0)
     for _ in range(50):
@@ -141,11 +199,77 @@ def test_adaserve_needs_follow_the_clock():
     assert policy.needs(no_slo, 0.1)[0] == 0.0
 
 
+def test_adaserve_needs_use_the_predicted_step_time_with_the_authors_margin():
+    policy = AdaServePolicy(COST, 8, depth=3)
+    step = make_step(3, slo=0.05)
+    plan = policy.plan(step)
+    seen: list[float] = []
+
+    def needs(step, step_time):
+        seen.append(step_time)
+        return np.zeros(step.batch_size)
+
+    policy.needs = needs
+    drafted = np.array([3, 2, 0])
+    conf = np.where(np.arange(3)[None, :] < drafted[:, None], 0.8, np.nan)
+    plan.verify_lengths(conf, drafted)
+    predicted = StepTimer(COST, step).plan(drafted, drafted)  # everything drafted verified
+    assert STEP_TIME_MARGIN == 1.05
+    assert seen == [pytest.approx(1.05 * predicted)]
+
+
 def test_adaserve_drafts_its_depth_and_verifies_within_the_budget():
     policy = make_policy("adaserve:3", COST, k_max=8)
     assert isinstance(policy, AdaServePolicy) and policy.depth == 3
-    step = make_step(40, slo=0.2)
-    out = drive_step(policy, step, SyntheticWorkload(np.random.default_rng(1)), np.full(40, 0.7))
+    assert default_token_budget(COST) == int(COST.target.c / COST.target.b) == 18
+    step = make_step(4, slo=0.2)  # 18 / 4 rows per request: ceil 5, the depth 3 binds
+    out = drive_step(policy, step, SyntheticWorkload(np.random.default_rng(1)), np.full(4, 0.7))
     assert out.drafted.max() == 3
-    assert 40 + out.verified.sum() <= max(policy.token_budget, 40)
-    assert default_token_budget(COST) == int(COST.target.c / COST.target.b)
+    assert 4 + out.verified.sum() <= policy.token_budget
+
+
+def test_adaserve_drafts_nothing_when_the_batch_uses_up_the_budget():
+    """40 verify rows past a budget of 18: no draft token could be verified, so none is
+    drafted (the old rule drafted its depth and verified none of it)."""
+    policy = make_policy("adaserve:3", COST, k_max=8)
+    step = make_step(40, slo=0.2)
+    plan = policy.plan(step)
+    assert not plan.drafting.any() and plan.batch_rounds() == 0
+    out = drive_step(policy, step, SyntheticWorkload(np.random.default_rng(1)), np.full(40, 0.7))
+    assert out.drafted.sum() == 0 and out.verified.sum() == 0
+
+
+def test_step_depth_is_the_budget_per_request_rounded_up():
+    assert step_depth(4, 226, 35) == 4  # 6.5 rows per request: the most rounds bind
+    assert step_depth(4, 226, 64) == 4  # 3.53: ceil
+    assert step_depth(4, 226, 100) == 3
+    assert step_depth(4, 226, 150) == 2
+    assert step_depth(4, 226, 225) == 2  # one row to spare: a draft token can be verified
+    assert step_depth(4, 226, 226) == 0  # the verify rows take the whole budget
+    assert step_depth(4, 226, 0) == 0 and step_depth(0, 226, 10) == 0
+
+
+@pytest.mark.parametrize("batch, rounds", [(10, 4), (30, 4), (40, 3), (60, 2), (99, 2),
+                                           (100, 0), (150, 0)])
+def test_adaserve_plan_drafts_the_steps_depth(batch, rounds):
+    policy = AdaServePolicy(COST, 8, depth=4, token_budget=100)
+    plan = policy.plan(make_step(batch, slo=0.05))
+    assert plan.batch_rounds() == rounds
+    assert plan.drafting.all() if rounds else not plan.drafting.any()
+    # k_max caps the rounds too
+    assert policy.plan(make_step(batch, k_max=2)).batch_rounds() == min(rounds, 2)
+
+
+def test_adaserve_budget_is_the_decode_batchs_whatever_prefill_rides_along():
+    """The authors' engine runs prefill in iterations of its own; under the linear cost
+    model a draft row costs b_t whether a prefill chunk shares the forward or not, so the
+    chunk changes neither the depth nor what is verified (it did: 80 prefill tokens left
+    20 requests no row for a draft token)."""
+    policy = AdaServePolicy(COST, 8, depth=4, token_budget=60)
+    step = make_step(20, slo=INF)  # no needs: phase 2 alone
+    conf = np.full((20, 3), 0.9)
+    for prefill in (0, 80, 1000):
+        plan = policy.plan(dataclasses.replace(step, prefill_tokens=prefill))
+        assert plan.batch_rounds() == 3  # ceil(60 / 20)
+        k = plan.verify_lengths(conf, np.full(20, 3))
+        assert k.sum() == 60 - 20  # the draft rows of the budget, all spent
