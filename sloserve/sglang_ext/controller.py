@@ -169,7 +169,10 @@ class StepController:
                 "batch": B, "context": step.context, "k": step.rounds,
                 "draft": step.draft_time, "extend": step.extend_time,
                 "verify": step.verify_time, "step": step_time,
-                "accepted": int(accepted.sum())}
+                "accepted": int(accepted.sum()), "verified": int(verified.sum()),
+                # seconds in the policy's Python (plan, after each round, verify lengths;
+                # observe included) and whether the plan steered the rounds
+                "policy": s.plan_time + s.policy_time, "per_request": step.per_request}
             if step.chain_conf is not None and step.chain_conf.shape[1] == step.rounds:
                 # the chain's confidences [B][k] and each request's accepted drafts
                 row["conf"] = _jsonable(step.chain_conf)
