@@ -52,6 +52,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from sloserve.bench.common import machine_info, print_table, write_json
 from sloserve.replay.specbench import ordinary_prompts
@@ -318,9 +319,12 @@ def bench_prompts(target: str, prompt_tokens: int, chat: str) -> tuple[list[list
 
         hf = AutoTokenizer.from_pretrained(target)
         if hf.chat_template:
-            ids = [hf.apply_chat_template([{"role": "user", "content": q[:4 * prompt_tokens]}],
-                                          add_generation_prompt=True, tokenize=True,
-                                          return_dict=True)["input_ids"] for q in questions]
+            ids: list[list[int]] = []
+            for q in questions:
+                enc: Any = hf.apply_chat_template(
+                    [{"role": "user", "content": q[:4 * prompt_tokens]}],
+                    add_generation_prompt=True, tokenize=True, return_dict=True)
+                ids.append([int(t) for t in enc["input_ids"]])
             # a long question keeps its head and the template's tail (the assistant turn)
             return [x if len(x) <= prompt_tokens else x[: prompt_tokens - 8] + x[-8:]
                     for x in ids], True
