@@ -155,7 +155,9 @@ class SpecSession:
         session.finish(accepted, times)        -> the VerifyOutcome the policy observed
 
     or, for a caller that fixes one length for the batch before drafting,
-    `batch_rounds()` (or `fix_rounds(k)`) instead of after_round / verify_lengths. A pull
+    `batch_rounds()` (or `fix_rounds(k)`) instead of after_round / verify_lengths; such a
+    caller may still hand the chain's confidences over once drafted (`chain_drafted`), and
+    `verify_lengths()` then trims each request's verify by the plan's verifier. A pull
     caller loops over the session (runtime/drafter/rounds.py); a push caller calls it from its
     own loop (SGLang's draft forwards). Both see the same decisions for the same inputs."""
 
@@ -175,6 +177,7 @@ class SpecSession:
         self.rounds = 0  # draft rounds run (columns of confidences in use)
         self.verified: np.ndarray | None = None  # [B] k_r once chosen
         self.uniform: int | None = None  # the batch's one length, for a uniform step
+        self.chain_known = False  # a uniform step whose caller told its confidences
         self.outcome: VerifyOutcome | None = None
 
     # ----- per-request steps: the plan steers every round
@@ -207,8 +210,8 @@ class SpecSession:
 
     def verify_lengths(self) -> np.ndarray:
         """[B] int64 k_r, 0 <= k_r <= s_r: the plan's verify lengths (whatever it returned,
-        clipped); the uniform length for a uniform step."""
-        if self.uniform is not None or not self.longest:
+        clipped); the uniform length for a uniform step whose confidences are unknown."""
+        if (self.uniform is not None and not self.chain_known) or not self.longest:
             self.verified = self.drafted.copy()
             return self.verified
         s = self.longest
@@ -238,6 +241,19 @@ class SpecSession:
         self.drafting = np.zeros(self.step.batch_size, dtype=bool)
         return k
 
+    def chain_drafted(self, confidences: np.ndarray) -> None:
+        """A uniform step's chain was drafted: confidences [B, k] (k = the step's rounds) of
+        every request's proposals. The plan's verifier then picks each request's verify
+        length from them (verify_lengths), and the policy observes them."""
+        if self.uniform is None:
+            raise RuntimeError("chain_drafted is for uniform steps (batch_rounds / fix_rounds)")
+        conf = np.asarray(confidences, dtype=np.float64)
+        if conf.shape != (self.step.batch_size, self.uniform):
+            raise ValueError(f"chain confidences of shape {conf.shape}, expected "
+                             f"{(self.step.batch_size, self.uniform)}")
+        self.confidences[:, :self.uniform] = conf
+        self.chain_known = self.uniform > 0
+
     # ----- the end of the step
     def finish(self, accepted: np.ndarray | Sequence[int], step_time: float,
                draft_time: float, verify_time: float | None = None) -> VerifyOutcome:
@@ -247,8 +263,10 @@ class SpecSession:
             raise RuntimeError("the session's step already finished")
         verified = self.verified if self.verified is not None else self.verify_lengths()
         B = self.step.batch_size
-        # a uniform step's confidences are unknown to the plan: [B, 0]
-        conf = np.zeros((B, 0)) if self.uniform is not None else self.confidences
+        # a uniform step's confidences are unknown to the plan unless told: [B, 0]
+        conf = (np.zeros((B, 0)) if self.uniform is not None and not self.chain_known
+                else self.confidences[:, :self.rounds] if self.chain_known
+                else self.confidences)
         self.outcome = outcome = VerifyOutcome(
             drafted=self.drafted.copy(), verified=verified.copy(),
             accepted=np.minimum(np.asarray(accepted, dtype=np.int64), verified),

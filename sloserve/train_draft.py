@@ -901,6 +901,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint-minutes", type=float, default=4.0)
     p.add_argument("--eval-minutes", type=float, default=15.0)
     args = p.parse_args(argv)
+    try:  # a list (2,4) trains several drafts side by side: with --device cuda only
+        depths = [int(x) for x in str(args.layers).split(",")]
+    except ValueError:
+        p.error(f"argument --layers: not a number or list of numbers: {args.layers!r}")
+    if any(n < 1 for n in depths) or (len(depths) > 1 and (args.device == "cpu"
+                                                           or args.export)):
+        p.error(f"argument --layers: {args.layers!r}: one positive number (a list such as "
+                f"2,4 trains several drafts with --device cuda; --export takes one)")
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(message)s")
     import torch
 

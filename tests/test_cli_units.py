@@ -127,3 +127,15 @@ def test_builtin_launch_names_the_option_at_fault(argv, option, names, capsys):
         _builtin_config(*argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"argument {option}" in err and names in err, err
+
+
+@pytest.mark.parametrize("layers", ["2,4", "x", "0"])
+def test_train_draft_names_a_bad_layers_option(layers, capsys):
+    """--layers: one positive number on the CPU (a list trains several drafts with --device
+    cuda): a CLI error naming the option, before anything is loaded."""
+    from sloserve import train_draft
+
+    with pytest.raises(SystemExit) as e:
+        train_draft.main(["--layers", layers, "--out", "/nonexistent/never-written"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "argument --layers" in err, err

@@ -20,6 +20,11 @@ CPU engine's flags added on machines without CUDA), float32, the same model pair
     specserve:MODE:OPTIONS  MODE (uniform | per-request) with the policy's options set
                   (--spec-options, "+" between name=value pairs), e.g.
                   specserve:per-request:uniform_margin=0
+    sloserve[:POLICY[:MODE[:OPTIONS]]]  SPECSERVE as `python -m sloserve.launch --engine
+                  sglang` starts it by default (policy specserve-slo, the launcher's k_max;
+                  --k-max here overrides it), or with POLICY (any of the registry: fixed:3
+                  is written fixed=3, lut:1=0 lut=1=0), MODE and OPTIONS as above
+    standalone:N  SGLang's STANDALONE with N draft steps (any N)
 
 SGLang's own adaptive speculation (`--speculative-adaptive`) applies only to EAGLE/EAGLE3
 in 0.5.23 (speculative/adaptive_spec_params.py: adaptive_unsupported_reason); with
@@ -47,6 +52,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from sloserve.bench.common import machine_info, print_table, write_json
 from sloserve.replay.specbench import ordinary_prompts
@@ -68,7 +74,12 @@ def sglang_python() -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
-def system_args(system: str, target: str, draft: str) -> list[str]:
+def ours(system: str) -> bool:
+    """Whether the system is sloserve's SPECSERVE worker (not SGLang's own)."""
+    return system.startswith(("specserve", "sloserve"))
+
+
+def system_args(system: str, target: str, draft: str, k_max: int | None = None) -> list[str]:
     """`python -m sloserve.launch --engine sglang` options of one system."""
     pair = ["--model-path", target, "--draft-model-path", draft]
     if system == "plain":
@@ -78,6 +89,13 @@ def system_args(system: str, target: str, draft: str) -> list[str]:
         return pair + ["--k-max", "4", "--spec-policy", "specserve",
                        "--spec-lengths", mode or "uniform",
                        "--spec-options", options.replace("+", ",")]
+    if system.startswith("sloserve"):
+        _, policy, mode, options = (system.split(":", 3) + ["", "", ""])[:4]
+        out = pair + (["--k-max", str(k_max)] if k_max is not None else [])
+        if policy:
+            out += ["--spec-policy", policy.replace("=", ":", 1)]
+        return out + ["--spec-lengths", mode or "uniform",
+                      "--spec-options", options.replace("+", ",")]
     steps = int(system.split(":")[1])  # SGLang's own: sloserve adds nothing (ar) but the CPU
     return ["--model-path", target, "--spec-policy", "ar",  # engine's flags
             "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", draft,
@@ -105,9 +123,9 @@ class Server:
             print(self.log.read_text(errors="replace")[-4000:], file=sys.stderr)
             raise
 
-    def generate(self, ids: list[int], new_tokens: int) -> dict:
+    def generate(self, ids: list[int], new_tokens: int, ignore_eos: bool = True) -> dict:
         body = {"input_ids": ids, "sampling_params": {"max_new_tokens": new_tokens,
-                                                  "temperature": 0, "ignore_eos": True}}
+                                                  "temperature": 0, "ignore_eos": ignore_eos}}
         req = urllib.request.Request(self.url + "/generate", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=3600) as r:
@@ -118,12 +136,13 @@ class Server:
 
 
 def closed_loop(server: Server, prompts: list[list[int]], concurrency: int, n: int,
-                new_tokens: int) -> dict:
+                new_tokens: int, ignore_eos: bool = True) -> dict:
     """n requests, `concurrency` in flight; tok/s over the loop's wall time."""
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        outs = list(pool.map(lambda i: server.generate(prompts[i % len(prompts)], new_tokens),
-                             range(n)))
+        outs = list(pool.map(
+            lambda i: server.generate(prompts[i % len(prompts)], new_tokens, ignore_eos),
+            range(n)))
     wall = time.perf_counter() - t0
     metas = [o["meta_info"] for o in outs]
     tokens = sum(m["completion_tokens"] for m in metas)
@@ -136,25 +155,61 @@ def closed_loop(server: Server, prompts: list[list[int]], concurrency: int, n: i
 
 def run_system(system: str, python: str, target: str, draft: str, levels: list[int],
                repeats: int, new_tokens: int, prompts: list[list[int]], logs: Path,
-               port: int) -> dict[int, list[dict]]:
-    server = Server(python, system_args(system, target, draft), port,
-                    logs / f"{system.replace(':', '-')}.log")
+               port: int, k_max: int | None = None, ignore_eos: bool = True,
+               timings: bool = False) -> dict[int, list[dict]]:
+    args = system_args(system, target, draft, k_max)
+    timings_file = logs / f"{system.replace(':', '-')}.timings.jsonl"
+    if timings and ours(system):  # one JSON line per decode step (worker's controller)
+        timings_file.unlink(missing_ok=True)
+        args += ["--spec-timings", str(timings_file.resolve())]
+    server = Server(python, args, port, logs / f"{system.replace(':', '-')}.log")
     t0 = time.monotonic()
     try:
         server.wait()
         print(f"[{system}] server up in {time.monotonic() - t0:.0f} s; warm-up", flush=True)
-        closed_loop(server, prompts, max(levels), 2 * max(levels), new_tokens)
-        closed_loop(server, prompts, 1, 2, new_tokens)
+        closed_loop(server, prompts, max(levels), 2 * max(levels), new_tokens, ignore_eos)
+        closed_loop(server, prompts, 1, 2, new_tokens, ignore_eos)
         out: dict[int, list[dict]] = {c: [] for c in levels}
         for rep in range(repeats):
             for c in levels:
-                r = closed_loop(server, prompts, c, max(4 * c, 8), new_tokens)
+                mark = _lines(timings_file) if timings and ours(system) else 0
+                r = closed_loop(server, prompts, c, max(4 * c, 8), new_tokens, ignore_eos)
+                if timings and ours(system):
+                    r["steps"] = step_breakdown(timings_file, mark)
                 out[c].append(r)
                 print(f"[{system}] repeat {rep + 1}/{repeats} concurrency {c}: "
                       f"{r['tok_s']:.1f} tok/s ({r['wall']:.1f} s)", flush=True)
         return out
     finally:
         server.stop()
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def step_breakdown(path: Path, start: int) -> dict:
+    """Mean milliseconds per decode step of the worker's timings lines from `start` on:
+    the whole step, the draft rounds, the draft reading the verified window, the verify
+    forward, the policy's Python, and the rest (SGLang's scheduling, sampling, the hooks);
+    with the mean batch, draft rounds and verified tokens per step."""
+    rows = [json.loads(x) for x in path.read_text().splitlines()[start:]]
+    rows = [r for r in rows if r.get("batch")]
+    if not rows:
+        return {}
+    mean = lambda key: statistics.fmean(float(r.get(key, 0.0)) for r in rows)  # noqa: E731
+    parts = {k: 1e3 * mean(k) for k in ("step", "draft", "extend", "verify", "policy")}
+    parts["other"] = parts["step"] - sum(parts[k] for k in ("draft", "extend", "verify",
+                                                             "policy"))
+    rounds = [r["k"] for r in rows if r["k"]]
+    drafting = [r for r in rows if r["k"]]
+    return {**{f"{k}_ms": round(v, 3) for k, v in parts.items()}, "steps": len(rows),
+            "batch": round(mean("batch"), 2), "rounds": round(mean("k"), 3),
+            "verified": round(mean("verified"), 3),
+            # per draft round, over the steps that drafted
+            "draft_round_ms": round(1e3 * statistics.fmean(r["draft"] / r["k"]
+                                                           for r in drafting), 3)
+            if rounds else None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,33 +220,45 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=128, help="prompts cut to this")
     p.add_argument("--systems", default=",".join(SYSTEMS))
-    p.add_argument("--model-path", default=None, help="target (default: the built-in pair)")
-    p.add_argument("--draft-model-path", default=None)
+    p.add_argument("--model-path", "--model", default=None,
+                   help="target: a directory or a preset (default: the built-in pair; "
+                        "smollm2: the real model and its distilled draft)")
+    p.add_argument("--draft-model-path", default=None,
+                   help="default: the preset's draft")
+    p.add_argument("--k-max", type=int, default=None,
+                   help="k_max of the sloserve[...] systems (default: the launcher's)")
+    p.add_argument("--chat", choices=("auto", "on", "off"), default="auto",
+                   help="prompts in the target's chat template, answers end at its stop "
+                        "token (auto: when the target has a template)")
+    p.add_argument("--timings", action="store_true",
+                   help="SPECSERVE's per-step breakdown (the worker's timings lines)")
     p.add_argument("--port", type=int, default=31877)
     p.add_argument("--out", default="out/bench_sglang_specserve.json")
     args = p.parse_args(argv)
     levels = [int(x) for x in args.levels.split(",")]
     systems = args.systems.split(",")
-    target, draft = args.model_path, args.draft_model_path
-    if target is None:
-        from sloserve.runtime.models.builtin import ensure_builtin_pair
+    from sloserve.runtime.models.presets import resolve_pair
 
-        bt, bd = ensure_builtin_pair()
-        target, draft = str(bt), draft or str(bd)
-    assert draft is not None, "--draft-model-path"
+    try:
+        target, maybe_draft = resolve_pair(args.model_path, args.draft_model_path, "model")
+    except ValueError as e:
+        p.error(f"argument --draft-model-path: {e}")
+    assert maybe_draft is not None
+    draft = maybe_draft
     python = sglang_python()
     logs = Path(args.out).parent / "sglang_specserve_logs"
     logs.mkdir(parents=True, exist_ok=True)
     print(f"SGLang closed loop: {systems} at concurrency {levels}, {args.repeats} repeats, "
           f"{args.new_tokens} tokens a request; about 20-25 minutes on 2 cores (server logs "
           f"in {logs})", flush=True)
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(Path(target) / "tokenizer.json"))
-    prompts = [tok.encode(p).ids[: args.prompt_tokens] for p in ordinary_prompts(64)]
+    prompts, chat = bench_prompts(target, args.prompt_tokens, args.chat)
+    print(f"prompts: 64 Spec-Bench questions, categories round-robin"
+          f"{', in the chat template' if chat else ''}, at most {args.prompt_tokens} tokens",
+          flush=True)
     t0 = time.monotonic()
     results = {s: run_system(s, python, target, draft, levels, args.repeats, args.new_tokens,
-                             prompts, logs, args.port) for s in systems}
+                             prompts, logs, args.port, args.k_max, ignore_eos=not chat,
+                             timings=args.timings) for s in systems}
     rows, summary = [], {}
     for c in levels:
         med = {s: statistics.median(r["tok_s"] for r in results[s][c]) for s in systems}
@@ -208,11 +275,28 @@ def main(argv: list[str] | None = None) -> int:
         summary[c] = med
     print_table(["C", "system", "tok/s (median)", "vs best", "vs plain", "tokens/verify",
                  "mean k", "repeats tok/s"], rows)
-    ours = [s for s in systems if s.startswith("specserve")]
+    if args.timings:
+        brows = []
+        for s in systems:
+            for c in levels:
+                b = [r["steps"] for r in results[s][c] if r.get("steps")]
+                if not b:
+                    continue
+                med = {k: statistics.median(x[k] for x in b) for k in b[0]
+                       if all(x.get(k) is not None for x in b)}
+                brows.append([c, s, *(f"{med.get(k, float('nan')):.2f}" for k in (
+                    "batch", "rounds", "verified", "step_ms", "draft_ms", "draft_round_ms",
+                    "extend_ms", "verify_ms", "policy_ms", "other_ms"))])
+        if brows:
+            print("\nSPECSERVE per decode step (medians over repeats of the means):")
+            print_table(["C", "system", "batch", "rounds", "verified", "step ms", "draft ms",
+                         "ms/round", "extend ms", "verify ms", "policy ms", "other ms"],
+                        brows)
+    mine = [s for s in systems if ours(s)]
     for c in levels:
         m = summary[c]
-        others = [v for s, v in m.items() if not s.startswith("specserve")]
-        for s in ours:
+        others = [v for s, v in m.items() if not ours(s)]
+        for s in mine:
             line = f"concurrency {c}: {s}"
             if others:
                 line += f" {m[s] / max(others) - 1:+.1%} vs the best of SGLang's"
@@ -224,6 +308,32 @@ def main(argv: list[str] | None = None) -> int:
                           "results": {s: {str(c): v for c, v in r.items()}
                                       for s, r in results.items()}})
     return 0
+
+
+def bench_prompts(target: str, prompt_tokens: int, chat: str) -> tuple[list[list[int]], bool]:
+    """(64 prompts as token ids, whether in the chat template): Spec-Bench questions, its
+    categories round-robin (so every batch mixes them), cut to prompt_tokens."""
+    questions = ordinary_prompts(64)
+    if chat != "off":
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(target)
+        if hf.chat_template:
+            ids: list[list[int]] = []
+            for q in questions:
+                enc: Any = hf.apply_chat_template(
+                    [{"role": "user", "content": q[:4 * prompt_tokens]}],
+                    add_generation_prompt=True, tokenize=True, return_dict=True)
+                ids.append([int(t) for t in enc["input_ids"]])
+            # a long question keeps its head and the template's tail (the assistant turn)
+            return [x if len(x) <= prompt_tokens else x[: prompt_tokens - 8] + x[-8:]
+                    for x in ids], True
+        if chat == "on":
+            sys.exit(f"--chat on: {target} has no chat template")
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(target) / "tokenizer.json"))
+    return [tok.encode(q).ids[:prompt_tokens] for q in questions], False
 
 
 if __name__ == "__main__":

@@ -85,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the policy's options, name=value,... (SpecServeOptions fields)")
     p.add_argument("--spec-lengths", choices=settings.LENGTHS, default="uniform",
                    help="uniform: one draft length per batch; per-request: the plan stops "
-                        "drafting round by round and each request verifies its own length")
+                        "drafting round by round and each request verifies its own length; "
+                        "trim: one draft length per batch, each request's verify trimmed "
+                        "from the draft's confidences")
     p.add_argument("--spec-profile", default=None,
                    help="a profile of SGLang's forwards to use instead of the lookup")
     p.add_argument("--spec-step-log", default=None,

@@ -9,6 +9,9 @@ this object; any policy of the registry runs in it (make_policy). Per step:
     step = spec.begin(rids, seq_lens, slos)   # before SGLang drafts: the rounds to prepare
     uniform steps (default): the session's batch_rounds() fixed the rounds; SGLang drafts
         them and verifies everything drafted
+    trimmed steps: rounds fixed likewise; spec.chain_drafted(step, conf) once drafted, then
+        spec.verify_lengths(step) -> k_r (the plan's verifier on the real confidences) for
+        a ragged verify
     per-request steps: spec.after_round(step, conf) after every draft round (the plan's
         early stop), then spec.verify_lengths(step) -> k_r for a ragged verify
     spec.finish(step, num_correct_drafts)     # once SGLang resolved the accepted counts
@@ -61,7 +64,14 @@ class SGLangStep:
 
     @property
     def per_request(self) -> bool:
+        """The plan steered the rounds (per-request steps)."""
         return self.session.uniform is None
+
+    @property
+    def ragged(self) -> bool:
+        """Requests may verify different lengths: a per-request step, or a uniform one
+        whose chain confidences were told (trimmed)."""
+        return self.session.uniform is None or self.session.chain_known
 
     @property
     def rounds(self) -> int:
@@ -80,6 +90,8 @@ class StepController:
     k_max: int  # the most draft steps a batch may run (SGLang's largest runtime state)
     default_tpot_slo: float | None = None  # seconds; a request's own tpot_slo overrides it
     per_request: bool = False  # per-request steps (the plan steers every round) or uniform
+    # uniform steps whose verify the plan trims per request from the chain's confidences
+    trim: bool = False
     requests: dict[str, RequestSpec] = field(default_factory=dict)
     # profiling (python -m sloserve.profiler --engine sglang): draft lengths to cycle through
     # instead of the policy's, and a file that gets one JSON line of timings per step
@@ -136,6 +148,13 @@ class StepController:
             s.drafting = drafting = np.full(len(drafting), s.rounds < self.k_max)
         return bool(drafting.any())
 
+    def chain_drafted(self, step: SGLangStep, confidences: np.ndarray) -> None:
+        """A uniform step's chain was drafted: [B, k] confidences of the proposals. With
+        `trim` the plan's verifier then picks each request's verify length from them."""
+        step.chain_conf = confidences
+        if self.trim and not step.per_request and not self.sweep:
+            step.session.chain_drafted(confidences)
+
     def verify_lengths(self, step: SGLangStep) -> np.ndarray:
         """[B] int64 k_r <= s_r: draft tokens each request verifies (the plan's; the
         test-only forced lengths when set)."""
@@ -162,14 +181,17 @@ class StepController:
         drafted, verified, accepted = outcome.drafted, outcome.verified, outcome.accepted
         if self.on_outcome is not None:
             self.on_outcome(drafted, verified, accepted)
-        if self.step_log_path and step.per_request:
+        if self.step_log_path and step.ragged:
             self._log_step(step, outcome)
         if self.timings_path:
             row: dict[str, Any] = {
                 "batch": B, "context": step.context, "k": step.rounds,
                 "draft": step.draft_time, "extend": step.extend_time,
                 "verify": step.verify_time, "step": step_time,
-                "accepted": int(accepted.sum())}
+                "accepted": int(accepted.sum()), "verified": int(verified.sum()),
+                # seconds in the policy's Python (plan, after each round, verify lengths;
+                # observe included) and whether the plan steered the rounds
+                "policy": s.plan_time + s.policy_time, "per_request": step.per_request}
             if step.chain_conf is not None and step.chain_conf.shape[1] == step.rounds:
                 # the chain's confidences [B][k] and each request's accepted drafts
                 row["conf"] = _jsonable(step.chain_conf)

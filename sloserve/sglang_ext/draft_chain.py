@@ -38,6 +38,7 @@ from sloserve.sglang_ext.sglang_internals import (
     ForwardContext,
     build_eagle_verify_input,
     forward_context,
+    lm_head_skipped,
     per_step_draft_out_cache_loc,
     prepare_for_draft,
     prepare_for_draft_extend,
@@ -105,7 +106,8 @@ class AlignedDraft:
                                        return_hidden_states_before_norm=False,
                                        kv_loc_plan=kv_loc_plan)
             fb.return_logprob = False
-            dw.draft_runner.forward(fb)
+            with lm_head_skipped():  # the draft fills its KV; the next token is the target's
+                dw.draft_runner.forward(fb)
         return self._next_input(len(batch.seq_lens), next_token_ids)
 
     def _next_input(self, bs: int, bonus: torch.Tensor) -> EagleDraftInput:
@@ -196,7 +198,8 @@ class AlignedDraft:
         fb = prepare_for_draft_extend(ext, batch, window, n, dw.draft_runner, None,
                                       return_hidden_states_before_norm=False,
                                       kv_loc_plan=kv_loc_plan)
-        dw.draft_runner.forward(fb)
+        with lm_head_skipped():  # KV only: the next round starts from the bonus token
+            dw.draft_runner.forward(fb)
         nxt = batch_result.next_draft_input
         stub = self._next_input(len(batch.seq_lens), nxt.bonus_tokens)
         nxt.topk_p, nxt.topk_index, nxt.hidden_states = stub.topk_p, stub.topk_index, None

@@ -30,7 +30,7 @@ from sloserve.spec_config import SpeculationConfig
 log = logging.getLogger(__name__)
 
 ENV_CONFIG = "SLOSERVE_SGLANG_CONFIG"
-LENGTHS = ("uniform", "per-request")
+LENGTHS = ("uniform", "per-request", "trim")
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,9 @@ class WorkerConfig:
     spec: SpeculationConfig = SpeculationConfig()
     # uniform: one length per batch before drafting (the plan's batch_rounds); per-request:
     # the plan stops drafting round by round and each request verifies its own k_r (a
-    # ragged verify; 10-15% slower on a CPU, docs/design.md sec. 13)
+    # ragged verify; 10-15% slower on a CPU, docs/design.md sec. 13); trim: one length
+    # drafted per batch, each request's verify trimmed by the plan's verifier from the
+    # chain's confidences (one ragged verify, no plan call between draft rounds)
     lengths: str = "uniform"
     profile: str | None = None  # a profile file to use instead of the lookup
     sweep: tuple[int, ...] = ()  # profiling: draft lengths to cycle through (uniform steps)
@@ -61,6 +63,10 @@ class WorkerConfig:
     @property
     def per_request(self) -> bool:
         return self.lengths == "per-request" and not self.sweep
+
+    @property
+    def trim(self) -> bool:
+        return self.lengths == "trim" and not self.sweep
 
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
@@ -126,5 +132,6 @@ def make_controller(cfg: WorkerConfig, target_path: str, draft_path: str, k_max:
     policy = make_policy(spec.policy, cost, k_max=k_max, calibration=calibration,
                          options=spec.options)
     return StepController(policy, k_max, spec.tpot_slo, per_request=cfg.per_request,
+                          trim=cfg.trim,
                           sweep=cfg.sweep, timings_path=cfg.timings,
                           forced_lengths=cfg.test_verify_lens, step_log_path=cfg.step_log)

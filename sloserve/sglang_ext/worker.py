@@ -1,7 +1,11 @@
 """The SPECSERVE speculative worker inside SGLang's scheduler (imports SGLang: loaded only by
 the algorithm's factory, in SGLang's scheduler process).
 
-Per-request steps (opt-in, SLOSERVE_SGLANG_LENGTHS=per-request; settings.per_request_lengths):
+Trimmed steps (--spec-lengths trim): the uniform mode's one draft length per batch, the
+chain's confidences handed to the plan once drafted, and each request's verify length k_r
+from the plan's confidence-prior elimination, verified on the ragged layout below.
+
+Per-request steps (--spec-lengths per-request):
 the controller plans the batch
 (`begin`); if anyone drafts position 1 the worker prepares k_max rounds and the plan decides
 after every round whether the batch drafts on (`after_round`, with the draft's real
@@ -109,12 +113,13 @@ class SpecServeWorker(StandaloneWorkerV2):  # type: ignore[misc]  # SGLang is un
         ctl, dev = self.controller, torch.device(self.device)
         dw = self._draft_worker
         self.per_request = ctl.per_request
-        # the draft's KV aligned with the sequence (draft_chain.py), then timed
-        # profiling (timings logged) also records each chain's confidences: the profiler
-        # fits the pair's calibration from them
-        profiling = bool(ctl.timings_path) and not self.per_request
+        # the draft's KV aligned with the sequence (draft_chain.py), then timed;
+        # trimmed steps hand the chain's confidences to the plan's verifier; the profiler's
+        # sweep records them, fitting the pair's calibration from them (they cost a pass
+        # over the draft's logits per round: a timed run without either skips them)
+        wants_chain = (bool(ctl.sweep) or ctl.trim) and not self.per_request
         self.aligned = AlignedDraft(dw, self.speculative_num_steps,
-                                    on_chain=self._chain_drafted if profiling else None,
+                                    on_chain=self._chain_drafted if wants_chain else None,
                                     on_round=self._after_round if self.per_request else None,
                                     on_stop=self._rounds_done)
         self.aligned.install()
@@ -126,7 +131,8 @@ class SpecServeWorker(StandaloneWorkerV2):  # type: ignore[misc]  # SGLang is un
             self.verify, lambda st, t: st.add_times(verify=t), dev)
         logger.info("SPECSERVE: sloserve %s, draft steps 0..%d, default TPOT SLO %s, %s steps",
                     ctl.policy.name, ctl.k_max, ctl.default_tpot_slo,
-                    "per-request" if self.per_request else "uniform")
+                    "per-request" if self.per_request else "trimmed" if ctl.trim
+                    else "uniform")
 
     def forward_batch_generation(self, batch, *args: Any, **kwargs: Any):
         step = None
@@ -162,8 +168,8 @@ class SpecServeWorker(StandaloneWorkerV2):  # type: ignore[misc]  # SGLang is un
 
     def _chain_drafted(self, batch: Any, tokens: torch.Tensor, conf: torch.Tensor) -> None:
         step = _step_of(batch)
-        if step is not None:  # profiling: the chain's confidences for the timings row
-            step.chain_conf = conf.float().cpu().numpy()
+        if step is not None:  # the timings row's and, trimmed steps, the verifier's
+            self.controller.chain_drafted(step, conf.float().cpu().numpy())
 
     def _rounds_done(self, rounds: int) -> None:
         assert self.adaptive_controller is not None
@@ -217,7 +223,7 @@ class SpecServeWorker(StandaloneWorkerV2):  # type: ignore[misc]  # SGLang is un
             return super().verify(batch, *args, **kwargs)
         k = self.controller.verify_lengths(step)  # [B] k_r <= s_r
         n = int(vi.draft_token_num)  # s + 1
-        if not step.per_request or n <= 1 or int(k.min()) >= n - 1:
+        if not step.ragged or n <= 1 or int(k.min()) >= n - 1:
             return super().verify(batch, *args, **kwargs)  # everything drafted is verified
         return self._ragged_verify(batch, k, n, *args, **kwargs)
 

@@ -117,6 +117,45 @@ def test_every_plan_answers_one_length_per_batch():
     assert SpecSession(make_policy("fixed:3", COST, k_max=K_MAX), info).batch_rounds() == 3
 
 
+def test_a_trimmed_step_drafts_the_batch_length_and_verifies_what_the_plan_keeps():
+    """A push caller that fixes one length for the batch (SGLang's uniform steps) and hands
+    the chain's confidences over once drafted (--spec-lengths trim): every request drafts
+    batch_rounds() tokens, each verifies the plan's verifier's choice on those confidences
+    (the elimination of a plan told the chain at once), the policy observes them, and its
+    calibration learns from them while the predictions learn from the accepted counts."""
+    policy = make_policy("specserve", COST, k_max=K_MAX)
+    ctl = StepController(policy, K_MAX, trim=True)
+    rids = [f"r{i}" for i in range(B)]
+    lens = np.full(B, 300)
+    trimmed = 0
+    for n in range(40):
+        step = ctl.begin(rids, lens.tolist(), [None] * B)
+        k = step.prepared
+        conf = _conf(n)[:, :k]
+        conf[n % B] *= 0.1  # one request's chain far less likely than the others'
+        if k:
+            ctl.chain_drafted(step, conf)
+            assert step.ragged and not step.per_request
+        want = (step.session.plan.verify_lengths(conf, np.full(B, k)) if k
+                else np.zeros(B, dtype=np.int64))
+        got = ctl.verify_lengths(step)
+        assert got.tolist() == np.minimum(want, k).tolist()
+        assert (step.session.drafted == k).all() and (got <= k).all()
+        trimmed += int((got < k).sum())
+        o = ctl.finish(step, _accepted(conf, got).tolist(), now=step.started + 0.05)
+        assert o is not None and o.confidences.shape == (B, k)
+        lens = lens + o.accepted + 1
+    assert trimmed > 0  # the unlikely tails went
+    assert policy.calibrator.counts.sum() > 0  # g learned from the told confidences
+    # a uniform step without confidences verifies everything drafted
+    plain = StepController(make_policy("specserve", COST, k_max=K_MAX), K_MAX)
+    step = plain.begin(rids, lens.tolist(), [None] * B)
+    assert not step.ragged and (plain.verify_lengths(step) == step.prepared).all()
+    with pytest.raises(RuntimeError):  # per-request steps are steered round by round
+        SpecSession(policy, StepInfo(rids, lens, np.full(B, np.inf), K_MAX)).chain_drafted(
+            np.zeros((B, 1)))
+
+
 def test_a_session_finishes_once():
     info = StepInfo(["a"], np.array([10]), np.full(1, np.inf), K_MAX)
     s = SpecSession(make_policy("fixed:2", COST, k_max=K_MAX), info)

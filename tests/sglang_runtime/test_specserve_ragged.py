@@ -41,6 +41,12 @@ def ragged(sglang_python, tiny_sglang_pair, tmp_path_factory):
         "forced": (spec + ["--spec-test-verify-lens", ",".join(map(str, FORCED)),
                            "--spec-step-log", str(logs / "forced.jsonl")], {}),
         "natural": (spec + ["--spec-step-log", str(logs / "natural.jsonl")], {}),
+        # one draft length per batch, each request's verify trimmed from the chain's
+        # confidences (without the uniform-first margin, so the plan may trim)
+        "trimmed": (pair + ["--k-max", "4", "--spec-policy", "specserve", "--spec-profile",
+                            str(TINY_PROFILE), "--spec-lengths", "trim",
+                            "--spec-options", "uniform_margin=0",
+                            "--spec-step-log", str(logs / "trimmed.jsonl")], {}),
     }
     started: dict[str, LaunchedServer] = {}
     for name in ("plain", "forced"):
@@ -87,3 +93,24 @@ def test_greedy_equals_plain_with_0_and_4_verified_drafts_in_one_batch(ragged):
         verified = sum(m["sloserve_draft_steps"])
         assert m["spec_num_correct_drafts"] <= verified
         assert len(m["sloserve_draft_steps"]) == m["spec_verify_ct"]
+
+
+def test_trimmed_steps_draft_one_length_and_stay_greedy_exact(ragged):
+    """--spec-lengths trim: every request of a step drafts the batch's one length, verifies
+    at most that, and the output equals plain greedy decoding, batched and alone."""
+    plain, trimmed = ragged("plain"), ragged("trimmed")
+    batch = _prompts(12, seed=73)
+    want = [g["output_ids"] for g in _all_at_once(plain, batch)]
+    assert [g["output_ids"] for g in _all_at_once(trimmed, batch)] == want
+    alone = _prompts(2, seed=74)
+    assert [_gen(trimmed, p)["output_ids"] for p in alone] == \
+        [_gen(plain, p)["output_ids"] for p in alone]
+    steps = ragged.step_log("trimmed")
+    assert len(steps) >= 10  # steps that drafted were logged with their confidences
+    for s in steps:
+        assert len(set(s["drafted"])) == 1 and s["drafted"][0] == s["rounds"] > 0
+        assert all(a <= v <= d for a, v, d in zip(s["accepted"], s["verified"],
+                                                   s["drafted"]))
+        assert all(len(c) == s["rounds"] for c in s["conf"])
+    trims = sum(v < d for s in steps for v, d in zip(s["verified"], s["drafted"]))
+    print(f"trimmed: {len(steps)} drafting steps, {trims} verify lengths trimmed")

@@ -95,8 +95,10 @@ class SpecServePolicy(SpecPolicy):
                 self.g.update(conf, verified, accepted)
             self._outcomes.clear()
         step = plan.step
-        if outcome.confidences.shape[1] == 0 and np.count_nonzero(outcome.verified):
-            plan.absorb_counts(outcome.verified, outcome.accepted)  # a caller without them
+        # a step whose rounds the plan did not steer (a uniform step, its confidences told
+        # or not): the predictions learn from the accepted counts
+        if plan.j_done == 0 and np.count_nonzero(outcome.verified):
+            plan.absorb_counts(outcome.verified, outcome.accepted)
         if outcome.step_time > 0.0:
             predicted, drafting = self._predicted(plan, outcome)
             if self.correction is not None and not step.prefill_tokens:
