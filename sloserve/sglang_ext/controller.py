@@ -57,8 +57,13 @@ class SGLangStep:
     context: int  # KV tokens of the batch before the step
     started: float  # perf_counter when the step began
     index: int = 0  # steps begun before this one (the test-only forced lengths cycle on it)
-    draft_time: float = 0.0  # measured seconds of the draft forwards
+    draft_time: float = 0.0  # measured seconds of the draft forwards (catch-up included)
     extend_time: float = 0.0  # ... of the draft reading the verified window
+    # ... of the draft reading what steps without drafting skipped, before its first round
+    # (draft_chain.AlignedDraft.catch_up): those steps' deferred cost, which the profile's
+    # plain step (the draft reads its window every step) already prices, so the policy
+    # learns from the step less this (the SGLang profiler's sweep never skips)
+    catch_up_time: float = 0.0
     verify_time: float = 0.0  # ... of the target's verify forward
     chain_conf: np.ndarray | None = None  # [B, k] a uniform chain's confidences (profiling)
 
@@ -78,10 +83,12 @@ class SGLangStep:
         """Draft rounds run so far (a uniform step: its fixed length)."""
         return self.session.rounds
 
-    def add_times(self, draft: float = 0.0, extend: float = 0.0, verify: float = 0.0) -> None:
+    def add_times(self, draft: float = 0.0, extend: float = 0.0, verify: float = 0.0,
+                  catch_up: float = 0.0) -> None:
         self.draft_time += draft
         self.extend_time += extend
         self.verify_time += verify
+        self.catch_up_time += catch_up
 
 
 @dataclass
@@ -176,7 +183,11 @@ class StepController:
         if len(num_correct_drafts) != B or s.outcome is not None:
             return None
         step_time = (time.perf_counter() if now is None else now) - step.started
-        outcome = s.finish(num_correct_drafts, step_time, step.draft_time,
+        # what drafting cost this step: its rounds and the draft's read of the verified
+        # window, which steps without drafts skip (draft_chain.py); not the catch-up
+        drafting = (step.draft_time + step.extend_time - step.catch_up_time
+                    if step.rounds else 0.0)
+        outcome = s.finish(num_correct_drafts, step_time - step.catch_up_time, drafting,
                            step.verify_time if step.verify_time > 0.0 else None)
         drafted, verified, accepted = outcome.drafted, outcome.verified, outcome.accepted
         if self.on_outcome is not None:
@@ -187,6 +198,7 @@ class StepController:
             row: dict[str, Any] = {
                 "batch": B, "context": step.context, "k": step.rounds,
                 "draft": step.draft_time, "extend": step.extend_time,
+                "catch_up": step.catch_up_time,
                 "verify": step.verify_time, "step": step_time,
                 "accepted": int(accepted.sum()), "verified": int(verified.sum()),
                 # seconds in the policy's Python (plan, after each round, verify lengths;

@@ -14,8 +14,10 @@ draft's slot of position p holds token p, as in sloserve's own engine:
                  at L gives d_1, d_1 at L + 1 gives d_2, ..., d_{k-1} at L + k - 1 gives d_k;
                  each token's draft probability is its confidence
     after verify the draft reads the verified window [b, d_1..d_k] at L..L + k, so every
-                 committed token has draft KV (the accepted d_k included, and b when k = 0)
-                 before its slots can be shared through the radix cache
+                 committed token has draft KV (the accepted d_k included)
+    k = 0        a step that drafts nothing skips that read (draft_kv.py keeps what is
+                 missing, also for slots shared later through the radix cache); the next
+                 step that drafts first reads every missing position in one ragged extend
 
 The chain goes to SGLang's own verify as [b, d_1..d_k] (topk 1). The multi-step attention
 backends are built here per k with k + 1 positions (SGLang's hold k - 1 draft forwards).
@@ -23,12 +25,14 @@ backends are built here per k with k + 1 positions (SGLang's hold k - 1 draft fo
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from sloserve.sglang_ext.chain_sampling import draft_pick
+from sloserve.sglang_ext.draft_kv import DraftKVBook
 from sloserve.sglang_ext.sglang_internals import (
     CaptureHiddenMode,
     DraftBackendFactory,
@@ -36,6 +40,7 @@ from sloserve.sglang_ext.sglang_internals import (
     EagleDraftInput,
     ForwardBatch,
     ForwardContext,
+    ForwardMode,
     build_eagle_verify_input,
     forward_context,
     lm_head_skipped,
@@ -80,6 +85,16 @@ class AlignedDraft:
         self.last_q: torch.Tensor | None = None
         self.backends: dict[int, Any] = {}  # k -> multi-step backend (built at first use:
         # the draft's memory pool does not exist yet when the worker is built)
+        self._book: DraftKVBook | None = None  # (likewise)
+        self.caught_up_tokens = 0  # positions read by catch-up extends (tests, logs)
+
+    @property
+    def book(self) -> DraftKVBook:
+        if self._book is None:
+            pool = self.dw.draft_runner.token_to_kv_pool
+            self._book = DraftKVBook(self.dw.req_to_token_pool.req_to_token,
+                                     pool.size + pool.page_size)
+        return self._book
 
     def backend(self, k: int) -> Any:
         """The multi-step draft attention backend for k forwards (SGLang's factory builds one
@@ -108,7 +123,41 @@ class AlignedDraft:
             fb.return_logprob = False
             with lm_head_skipped():  # the draft fills its KV; the next token is the target's
                 dw.draft_runner.forward(fb)
+            self.book.written(fb.out_cache_loc)
+            self.book.prefilled(_rows(batch), batch.prefix_lens,
+                                [r.get_fill_ids() for r in batch.reqs])
         return self._next_input(len(batch.seq_lens), next_token_ids)
+
+    # ----- before the first round of a step that drafts: what skipped steps left out
+    def catch_up(self, batch: Any) -> None:
+        """One ragged extend over every committed position the draft has no KV for (steps
+        that drafted nothing, holes in a cached prefix), positions start_r..L_r - 1 of each
+        request."""
+        rows, lens = _rows(batch), _seq_lens(batch)
+        starts = self.book.catch_up(rows, lens)
+        if starts is None:
+            return
+        dw = self.dw
+        tokens, slots = self.book.window(rows, starts, lens)
+        cb = copy.copy(batch)  # SGLang's batch stays as it is; this forward is the draft's
+        cb.forward_mode = ForwardMode.EXTEND
+        cb.input_ids, cb.out_cache_loc = tokens, slots
+        cb.prefix_lens = list(starts)
+        cb.extend_lens = [n - s for s, n in zip(starts, lens)]
+        cb.extend_num_tokens = sum(cb.extend_lens)
+        cb.extend_logprob_start_lens = list(cb.extend_lens)
+        cb.return_logprob, cb.extend_input_logprob_token_ids = False, None
+        cb.decoding_reqs = None
+        cb.spec_info = EagleDraftExtendInput(hidden_states=None, num_tokens_per_req=1,
+                                             num_tokens_for_logprob_per_req=1)
+        fb = ForwardBatch.init_new(cb, dw.draft_runner, capture_hidden_mode=CaptureHiddenMode.NULL,
+                                   return_hidden_states_before_norm=False)
+        fb.return_logprob = False
+        with lm_head_skipped():
+            dw.draft_runner.forward(fb)
+        self.book.written(slots)
+        self.book.caught_up(rows)
+        self.caught_up_tokens += cb.extend_num_tokens
 
     def _next_input(self, bs: int, bonus: torch.Tensor) -> EagleDraftInput:
         """The draft input SGLang carries to the next decode step: its bonus token (the
@@ -125,6 +174,7 @@ class AlignedDraft:
         dw = self.dw
         k = dw.speculative_num_steps
         draft_input: EagleDraftInput = batch.spec_info
+        self.catch_up(batch)
         # slots of positions L..L + k (SGLang reserves them per decode step) and positions L
         fb, _, _ = prepare_for_draft(draft_input, dw.req_to_token_pool, batch, None,
                                      dw.draft_runner, 1, k + 1)
@@ -191,6 +241,15 @@ class AlignedDraft:
         verify_input = batch.spec_info
         n = verify_input.draft_token_num  # k + 1 (1 after a plain step)
         window = verify_input.draft_token.to(torch.int64).reshape(-1)  # [bs * n]: b, d_1..d_k
+        nxt = batch_result.next_draft_input
+        stub = self._next_input(len(batch.seq_lens), nxt.bonus_tokens)
+        nxt.topk_p, nxt.topk_index, nxt.hidden_states = stub.topk_p, stub.topk_index, None
+        idle = batch.forward_mode.is_idle()
+        if n == 1 and not idle:  # nothing drafted: the next step that drafts reads b
+            self.book.skipped(_rows(batch), _seq_lens(batch), window)
+            return
+        if not idle:
+            self.book.decoded(batch.req_pool_indices, batch.seq_lens, window.reshape(-1, n))
         accept = batch_result.accept_lens
         ext = EagleDraftExtendInput(hidden_states=None, num_correct_drafts=accept - 1,
                                     num_accept_tokens=accept, num_tokens_per_req=n,
@@ -200,6 +259,15 @@ class AlignedDraft:
                                       kv_loc_plan=kv_loc_plan)
         with lm_head_skipped():  # KV only: the next round starts from the bonus token
             dw.draft_runner.forward(fb)
-        nxt = batch_result.next_draft_input
-        stub = self._next_input(len(batch.seq_lens), nxt.bonus_tokens)
-        nxt.topk_p, nxt.topk_index, nxt.hidden_states = stub.topk_p, stub.topk_index, None
+        self.book.written(fb.out_cache_loc)
+
+
+def _rows(batch: Any) -> list[int]:
+    """Each request's row of SGLang's req_to_token table (host values)."""
+    return [r.kv.req_pool_idx for r in batch.reqs]
+
+
+def _seq_lens(batch: Any) -> list[int]:
+    """Each request's committed length L (its bonus token's position), host values."""
+    cpu = getattr(batch, "seq_lens_cpu", None)
+    return (cpu if cpu is not None else batch.seq_lens).tolist()

@@ -125,6 +125,8 @@ class SpecServeWorker(StandaloneWorkerV2):  # type: ignore[misc]  # SGLang is un
         self.aligned.install()
         self.test_accept_all = cfg.test_accept_all
         dw.draft = _timed(dw.draft, lambda st, t: st.add_times(draft=t), dev)
+        self.aligned.catch_up = _timed(  # type: ignore[method-assign]  # (inside draft)
+            self.aligned.catch_up, lambda st, t: st.add_times(catch_up=t), dev)
         dw._draft_extend_for_decode = _timed(dw._draft_extend_for_decode,
                                              lambda st, t: st.add_times(extend=t), dev)
         self.verify = _timed(  # type: ignore[method-assign]  # an instance's timed verify

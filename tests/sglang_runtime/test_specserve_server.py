@@ -76,10 +76,17 @@ def launched(sglang_python, tiny_sglang_pair, tmp_path_factory):
     pair = ["--model-path", target, "--draft-model-path", draft]
     specs = {
         "plain": (pair + ["--spec-policy", "ar"], {}),
+        # on this random pair plain steps (no draft forward at all) beat drafting; the SLO
+        # rule's tests below need a policy that would draft were it not for the SLO: it
+        # starts speculating where the predicted E is down to half of plain decoding's
         "specserve": (pair + ["--k-max", "4", "--spec-policy", "specserve",
+                              "--spec-options", "start_margin=-0.5",
                               "--spec-profile", str(TINY_PROFILE)], {}),
         "self": (["--model-path", target, "--draft-model-path", target, "--k-max", "4",
                   "--spec-policy", "specserve", "--spec-profile", str(TINY_PROFILE)], {}),
+        # draft = target; batches of 3 or more draft nothing (a batch-size table)
+        "selfskip": (["--model-path", target, "--draft-model-path", target, "--k-max", "4",
+                      "--spec-policy", "lut:2=3", "--spec-profile", str(TINY_PROFILE)], {}),
         # other policies of the registry through the same session (issue #29)
         "fixed3": (pair + ["--k-max", "4", "--spec-policy", "fixed:3",
                            "--spec-profile", str(TINY_PROFILE)], {}),
@@ -171,7 +178,7 @@ def test_registry_policies_serve_greedy_output_equal_to_plain(launched, name):
 
 
 def test_draft_steps_fall_as_concurrency_rises(launched):
-    """Requests whose TPOT SLO is 3x this server's plain decode step alone (measured here,
+    """Requests whose TPOT SLO is 5x this server's plain decode step alone (measured here,
     so the test holds on slower and faster machines): alone, every draft length fits it and
     the plan picks the most efficient; sixteen at once, longer drafts would break it (the
     worst-case rule: a step must fit the SLO even if nothing is accepted), so the batch
@@ -184,7 +191,7 @@ def test_draft_steps_fall_as_concurrency_rises(launched):
              for i, p in enumerate(_prompts(3, seed=29))]
     assert all(set(m["sloserve_draft_steps"]) == {0} for m in plain)
     step = sorted(m["e2e_latency"] / m["completion_tokens"] for m in plain)[1]
-    slo = 3.0 * step
+    slo = 6.0 * step
 
     def mean_steps(n: int, seed: int) -> float:
         metas = [m["meta_info"] for m in _all_at_once(
@@ -194,6 +201,7 @@ def test_draft_steps_fall_as_concurrency_rises(launched):
 
     one = sum(mean_steps(1, 30 + i) for i in range(3)) / 3
     sixteen = mean_steps(16, 40)
+    print("draft steps alone, sixteen at once, SLO:", one, sixteen, slo)
     assert one > sixteen, (one, sixteen, slo)
 
 
@@ -260,6 +268,34 @@ def test_draft_equal_to_target_is_always_accepted(launched):
     proposed = sum(sum(m["sloserve_draft_steps"]) for m in metas)
     correct = sum(m["spec_num_correct_drafts"] for m in metas)
     assert proposed > 100 and correct / proposed >= 0.99
+
+
+def test_steps_without_drafting_leave_the_draft_aligned(launched):
+    """Steps that draft nothing skip the draft's forward (draft_kv.py); the first step that
+    drafts again reads what they skipped, so with draft = target every draft is still
+    accepted: after skipped steps in the same request, and in a new request whose cached
+    prefix (SGLang's radix cache) holds a finished request's skipped positions. (Without the
+    catch-up this acceptance was 0.81.)"""
+    server = launched("selfskip", alone=True)
+    g = torch.Generator().manual_seed(31)
+    prompts = [torch.randint(10, 2048, (20,), generator=g).tolist() for _ in range(3)]
+    with ThreadPoolExecutor(3) as pool:  # three at once: nobody drafts until the first ends
+        outs = list(pool.map(lambda a: _gen(server, a[0], max_new=a[1]),
+                             zip(prompts, [8, 40, 64])))
+    steps = [o["meta_info"]["sloserve_draft_steps"] for o in outs]
+    assert steps[0] and not any(steps[0])  # ended inside the batch of three
+    for st in steps[1:]:  # skipped steps, then drafting again
+        first = st.index(3)
+        assert first > 0 and not any(st[:first]) and all(k == 3 for k in st[first:])
+    # the shortest request's output was never read by the draft: a continuation of it
+    # reuses those KV slots as its cached prefix
+    metas = [o["meta_info"] for o in outs]
+    metas += [_gen(server, prompts[i] + outs[i]["output_ids"], max_new=24)["meta_info"]
+              for i in (0, 2)]
+    assert metas[-2]["cached_tokens"] >= 20
+    proposed = sum(sum(m["sloserve_draft_steps"]) for m in metas)
+    correct = sum(m["spec_num_correct_drafts"] for m in metas)
+    assert proposed > 80 and correct / proposed >= 0.99
 
 
 def test_serves_the_builtin_pair_as_sglang_does(launched):
