@@ -44,6 +44,7 @@ from sloserve.sglang_ext.controller import SGLangStep, SGLangStepsPolicy, StepCo
 from sloserve.sglang_ext.draft_chain import AlignedDraft, sampled_batch
 from sloserve.sglang_ext.sglang_internals import (
     AdaptiveController,
+    ForwardMode,
     RaggedVerifyLayout,
     SchedulerOutputStreamer,
     StandaloneWorkerV2,
@@ -223,11 +224,34 @@ class SpecServeWorker(StandaloneWorkerV2):  # type: ignore[misc]  # SGLang is un
         if step is None or batch.forward_mode.is_idle() \
                 or step.session.step.batch_size != len(batch.reqs):
             return super().verify(batch, *args, **kwargs)
-        k = self.controller.verify_lengths(step)  # [B] k_r <= s_r
         n = int(vi.draft_token_num)  # s + 1
+        if n == 1:
+            return self._plain_verify(batch, *args, **kwargs)
+        k = self.controller.verify_lengths(step)  # [B] k_r <= s_r
         if not step.ragged or n <= 1 or int(k.min()) >= n - 1:
             return super().verify(batch, *args, **kwargs)  # everything drafted is verified
         return self._ragged_verify(batch, k, n, *args, **kwargs)
+
+    def _plain_verify(self, batch, *args: Any, **kwargs: Any):
+        """A step that drafted nothing: SGLang's verify of the bonus token alone, its target
+        forward run as the decode forward it is (one token a request at position L: the
+        attention backend's decode path, not the verify path's extend over a mask)."""
+        tw = self.target_worker
+        forward = tw.forward_batch_generation
+
+        def decode_forward(*fargs: Any, forward_batch: Any = None, **fkw: Any) -> Any:
+            fb = forward_batch
+            fb.forward_mode = ForwardMode.DECODE
+            # decode sees the KV length after this token's write; verify the one before
+            fb.seq_lens = fb.seq_lens + 1
+            if fb.seq_lens_cpu is not None:
+                fb.seq_lens_cpu = fb.seq_lens_cpu + 1
+            if fb.seq_lens_sum is not None:
+                fb.seq_lens_sum = fb.seq_lens_sum + len(fb.seq_lens)
+            return forward(*fargs, forward_batch=fb, **fkw)
+
+        with swapped_target_forward(tw, decode_forward):
+            return super().verify(batch, *args, **kwargs)
 
     def _ragged_verify(self, batch, k: np.ndarray, n: int, *args: Any, **kwargs: Any):
         vi = batch.spec_info
