@@ -12,8 +12,8 @@ docs/design.md sec. 2 to what SGLang's forwards took:
     target  T(n_ctx, n_q) from the verify forwards: n_q = B (k + 1), n_ctx = context + n_q
     draft   from the draft forwards (k forwards of B tokens each, their mean context) and
             the draft extend (one forward over B (k + 1) tokens)
-    overhead  the plain steps' seconds outside the verify forward (the draft extend SGLang
-            runs at every step included)
+    overhead  the plain steps' seconds outside the verify forward (they run no draft
+            forward: draft_chain.py)
     calibration  the draft's confidence -> conditional acceptance counts of the pair (every
             drafted chain's confidences against its accepted count), which the SPECSERVE
             policy's map g starts from (docs/design.md sec. 3)
@@ -66,10 +66,12 @@ def fit_rows(rows: Sequence[dict], target_path: str, draft_path: str, device: st
         B, k, ctx = r["batch"], r["k"], r["context"]
         q = B * (k + 1)
         target.append((ctx + q, q, r["verify"]))
-        draft.append((ctx + q, q, r["extend"]))  # the draft reading the verified window
-        if k:
-            draft.append((ctx + B * (k + 1) / 2.0, B, r["draft"] / k))  # one draft forward
-            rest.append(r["step"] - r["draft"] - r["verify"])
+        if k:  # (a step that drafts nothing skips the draft's read of its window)
+            draft.append((ctx + q, q, r["extend"]))  # the draft reading the verified window
+            # its rounds, not the catch-up on the skipped steps before them (draft_chain.py)
+            rounds = r["draft"] - r.get("catch_up", 0.0)
+            draft.append((ctx + B * (k + 1) / 2.0, B, rounds / k))  # one draft forward
+            rest.append(r["step"] - r["draft"] - r["extend"] - r["verify"])
         else:
             plain_rest.append(r["step"] - r["verify"])
     t_fit, d_fit = fit_forward_cost(target), fit_forward_cost(draft)
