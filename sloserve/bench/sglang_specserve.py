@@ -36,8 +36,11 @@ questions when beside the checkout, cut to --prompt-tokens of the target's token
 sends the next when its answer arrives, until max(4 C, 8) requests finished. tok/s =
 completion tokens / wall seconds of the loop. Each level is measured --repeats times after a
 warm-up loop (compiles, caches, SPECSERVE's calibration and online correction) and the
-median reported. The servers run one at a time (memory); run it on a quiet machine (CPU
-contention slows SGLang's steps 20x). Prints a table and writes JSON.
+median reported. The servers run one at a time, or with --interleave all at once (each
+sleeps while idle) with every repeat and level measured on each system in turn, the order
+rotating per repeat: a machine whose speed drifts over the run (this CPU's do by 10-20%)
+then moves every system alike. Run it on a quiet machine (CPU contention slows SGLang's
+steps 20x). Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -153,35 +156,70 @@ def closed_loop(server: Server, prompts: list[list[int]], concurrency: int, n: i
             "mean_k": statistics.mean(steps) if steps else None}
 
 
-def run_system(system: str, python: str, target: str, draft: str, levels: list[int],
-               repeats: int, new_tokens: int, prompts: list[list[int]], logs: Path,
-               port: int, k_max: int | None = None, ignore_eos: bool = True,
-               timings: bool = False) -> dict[int, list[dict]]:
-    args = system_args(system, target, draft, k_max)
-    timings_file = logs / f"{system.replace(':', '-')}.timings.jsonl"
-    if timings and ours(system):  # one JSON line per decode step (worker's controller)
-        timings_file.unlink(missing_ok=True)
-        args += ["--spec-timings", str(timings_file.resolve())]
-    server = Server(python, args, port, logs / f"{system.replace(':', '-')}.log")
-    t0 = time.monotonic()
-    try:
-        server.wait()
-        print(f"[{system}] server up in {time.monotonic() - t0:.0f} s; warm-up", flush=True)
-        closed_loop(server, prompts, max(levels), 2 * max(levels), new_tokens, ignore_eos)
-        closed_loop(server, prompts, 1, 2, new_tokens, ignore_eos)
-        out: dict[int, list[dict]] = {c: [] for c in levels}
-        for rep in range(repeats):
-            for c in levels:
-                mark = _lines(timings_file) if timings and ours(system) else 0
-                r = closed_loop(server, prompts, c, max(4 * c, 8), new_tokens, ignore_eos)
-                if timings and ours(system):
-                    r["steps"] = step_breakdown(timings_file, mark)
-                out[c].append(r)
-                print(f"[{system}] repeat {rep + 1}/{repeats} concurrency {c}: "
-                      f"{r['tok_s']:.1f} tok/s ({r['wall']:.1f} s)", flush=True)
-        return out
-    finally:
-        server.stop()
+class Running:
+    """One system's server, warmed up, and where its worker writes its timings lines."""
+
+    def __init__(self, system: str, python: str, target: str, draft: str, logs: Path,
+                 port: int, k_max: int | None, timings: bool) -> None:
+        self.system = system
+        args = system_args(system, target, draft, k_max)
+        self.timings_file = logs / f"{system.replace(':', '-')}.timings.jsonl"
+        self.timed = timings and ours(system)
+        if self.timed:  # one JSON line per decode step (worker's controller)
+            self.timings_file.unlink(missing_ok=True)
+            args += ["--spec-timings", str(self.timings_file.resolve())]
+        self.server = Server(python, args, port, logs / f"{system.replace(':', '-')}.log")
+
+    def warm(self, prompts: list[list[int]], levels: list[int], new_tokens: int,
+             ignore_eos: bool, t0: float) -> None:
+        self.server.wait()
+        print(f"[{self.system}] server up in {time.monotonic() - t0:.0f} s; warm-up",
+              flush=True)
+        closed_loop(self.server, prompts, max(levels), 2 * max(levels), new_tokens, ignore_eos)
+        closed_loop(self.server, prompts, 1, 2, new_tokens, ignore_eos)
+
+    def measure(self, prompts: list[list[int]], c: int, new_tokens: int,
+                ignore_eos: bool) -> dict:
+        mark = _lines(self.timings_file) if self.timed else 0
+        r = closed_loop(self.server, prompts, c, max(4 * c, 8), new_tokens, ignore_eos)
+        if self.timed:
+            r["steps"] = step_breakdown(self.timings_file, mark)
+        return r
+
+
+def run_systems(systems: list[str], python: str, target: str, draft: str,
+                levels: list[int], repeats: int, new_tokens: int, prompts: list[list[int]],
+                logs: Path, port: int, k_max: int | None = None, ignore_eos: bool = True,
+                timings: bool = False, interleave: bool = False
+                ) -> dict[str, dict[int, list[dict]]]:
+    """{system: {concurrency: [one result per repeat]}}. One server at a time, its repeats
+    back to back; or (interleave) every server up at once (each sleeps while idle) and each
+    (repeat, level) measured on every system in turn, the order rotating per repeat, so a
+    machine drifting over the run moves every system alike."""
+    out: dict[str, dict[int, list[dict]]] = {s: {c: [] for c in levels} for s in systems}
+
+    def record(run: Running, rep: int, c: int) -> None:
+        r = run.measure(prompts, c, new_tokens, ignore_eos)
+        out[run.system][c].append(r)
+        print(f"[{run.system}] repeat {rep + 1}/{repeats} concurrency {c}: "
+              f"{r['tok_s']:.1f} tok/s ({r['wall']:.1f} s)", flush=True)
+
+    groups = [systems] if interleave else [[s] for s in systems]
+    for group in groups:
+        t0 = time.monotonic()
+        runs = [Running(s, python, target, draft, logs, port + i, k_max, timings)
+                for i, s in enumerate(group)]
+        try:
+            for run in runs:
+                run.warm(prompts, levels, new_tokens, ignore_eos, t0)
+            for rep in range(repeats):
+                for c in levels:
+                    for i in range(len(runs)):
+                        record(runs[(i + rep) % len(runs)], rep, c)
+        finally:
+            for run in runs:
+                run.server.stop()
+    return out
 
 
 def _lines(path: Path) -> int:
@@ -197,10 +235,12 @@ def step_breakdown(path: Path, start: int) -> dict:
     rows = [r for r in rows if r.get("batch")]
     if not rows:
         return {}
+    for r in rows:  # the rounds alone: the catch-up on skipped steps is its own part
+        r["draft"] = float(r["draft"]) - float(r.get("catch_up", 0.0))
     mean = lambda key: statistics.fmean(float(r.get(key, 0.0)) for r in rows)  # noqa: E731
-    parts = {k: 1e3 * mean(k) for k in ("step", "draft", "extend", "verify", "policy")}
-    parts["other"] = parts["step"] - sum(parts[k] for k in ("draft", "extend", "verify",
-                                                             "policy"))
+    keys = ("draft", "catch_up", "extend", "verify", "policy")
+    parts = {k: 1e3 * mean(k) for k in ("step", *keys)}
+    parts["other"] = parts["step"] - sum(parts[k] for k in keys)
     rounds = [r["k"] for r in rows if r["k"]]
     drafting = [r for r in rows if r["k"]]
     return {**{f"{k}_ms": round(v, 3) for k, v in parts.items()}, "steps": len(rows),
@@ -232,7 +272,11 @@ def main(argv: list[str] | None = None) -> int:
                         "token (auto: when the target has a template)")
     p.add_argument("--timings", action="store_true",
                    help="SPECSERVE's per-step breakdown (the worker's timings lines)")
-    p.add_argument("--port", type=int, default=31877)
+    p.add_argument("--interleave", action="store_true",
+                   help="start every system's server at once and measure each repeat and "
+                        "level on all of them in turn (a drifting machine moves all alike)")
+    p.add_argument("--port", type=int, default=31877,
+                   help="the first system's port (interleaved: one port per system)")
     p.add_argument("--out", default="out/bench_sglang_specserve.json")
     args = p.parse_args(argv)
     levels = [int(x) for x in args.levels.split(",")]
@@ -256,9 +300,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{', in the chat template' if chat else ''}, at most {args.prompt_tokens} tokens",
           flush=True)
     t0 = time.monotonic()
-    results = {s: run_system(s, python, target, draft, levels, args.repeats, args.new_tokens,
-                             prompts, logs, args.port, args.k_max, ignore_eos=not chat,
-                             timings=args.timings) for s in systems}
+    results = run_systems(systems, python, target, draft, levels, args.repeats,
+                          args.new_tokens, prompts, logs, args.port, args.k_max,
+                          ignore_eos=not chat, timings=args.timings,
+                          interleave=args.interleave)
     rows, summary = [], {}
     for c in levels:
         med = {s: statistics.median(r["tok_s"] for r in results[s][c]) for s in systems}
@@ -286,11 +331,12 @@ def main(argv: list[str] | None = None) -> int:
                        if all(x.get(k) is not None for x in b)}
                 brows.append([c, s, *(f"{med.get(k, float('nan')):.2f}" for k in (
                     "batch", "rounds", "verified", "step_ms", "draft_ms", "draft_round_ms",
-                    "extend_ms", "verify_ms", "policy_ms", "other_ms"))])
+                    "catch_up_ms", "extend_ms", "verify_ms", "policy_ms", "other_ms"))])
         if brows:
             print("\nSPECSERVE per decode step (medians over repeats of the means):")
             print_table(["C", "system", "batch", "rounds", "verified", "step ms", "draft ms",
-                         "ms/round", "extend ms", "verify ms", "policy ms", "other ms"],
+                         "ms/round", "catch-up ms", "extend ms", "verify ms", "policy ms",
+                         "other ms"],
                         brows)
     mine = [s for s in systems if ours(s)]
     for c in levels:

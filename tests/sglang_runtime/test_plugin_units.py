@@ -269,3 +269,44 @@ def test_profiling_rows_carry_confidences_and_fit_the_calibration(tmp_path):
     assert counts[1].sum() == 3 and {int(i) for i in np.nonzero(counts[1])[0]} == hit
     assert counts[0].sum() == 1 and counts[0][int(0.30 * 16)] == 1  # b's later drafts unseen
     assert calibration_counts(rows[:1]) is None
+
+
+def test_sglang_profile_fits_the_draft_from_drafting_steps_only(tmp_path):
+    """python -m sloserve.profiler --engine sglang: steps that draft nothing run no draft
+    forward (their `extend` is ~0) and a drafting step after them also times the catch-up
+    (`catch_up`, inside `draft`); the draft's fit must see neither as a draft forward."""
+    from sloserve.cli.sglang_profile import fit_rows
+    from sloserve.estimator.cost_model import ForwardCost
+
+    target = ForwardCost(a=5e-5, b=2.7e-3, c=0.064, q0=0.0)
+    draft = ForwardCost(a=1e-5, b=1.2e-4, c=0.0106, q0=0.0)
+    overhead = 0.0014
+    rng = np.random.default_rng(0)
+    rows, skipped = [], 0
+    for _ in range(400):
+        B, k, ctx = int(rng.choice([1, 2, 4, 8, 16])), int(rng.integers(0, 9)), 0
+        ctx = B * int(rng.integers(50, 400))
+        q = B * (k + 1)
+        verify = target.time(ctx + q, q)
+        if k == 0:
+            skipped += 1
+            rows.append({"batch": B, "k": 0, "context": ctx, "verify": verify,
+                         "extend": 1e-4, "draft": 0.0, "catch_up": 0.0,
+                         "step": verify + overhead})
+            continue
+        catch_up = draft.time(ctx, B * skipped) if skipped else 0.0
+        skipped = 0
+        rounds = k * draft.time(ctx + B * (k + 1) / 2.0, B)
+        extend = draft.time(ctx + q, q)
+        rows.append({"batch": B, "k": k, "context": ctx, "verify": verify, "extend": extend,
+                     "draft": rounds + catch_up, "catch_up": catch_up,
+                     "step": verify + rounds + catch_up + extend + overhead})
+    for name in ("t", "d"):  # the profile names each model by its config's hash
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+    profile = fit_rows(rows, str(tmp_path / "t"), str(tmp_path / "d"), "cpu", "float32",
+                       [1, 2, 4, 8, 16])
+    assert profile.draft.fit is not None and profile.draft.fit.r2 > 0.99
+    assert profile.draft.cost.c == pytest.approx(draft.c, rel=0.05)
+    assert profile.target.cost.c == pytest.approx(target.c, rel=0.05)
+    assert profile.overhead == pytest.approx(overhead, rel=0.05)
