@@ -78,9 +78,11 @@ def launched(sglang_python, tiny_sglang_pair, tmp_path_factory):
         "plain": (pair + ["--spec-policy", "ar"], {}),
         # on this random pair plain steps (no draft forward at all) beat drafting; the SLO
         # rule's tests below need a policy that would draft were it not for the SLO: it
-        # starts speculating where the predicted E is down to half of plain decoding's
+        # starts speculating where the predicted E is down to half of plain decoding's, and
+        # its SLO guard trusts the profile from the first step (its 2x start held the
+        # tests' SLOs to half on a fresh server and made them flaky)
         "specserve": (pair + ["--k-max", "4", "--spec-policy", "specserve",
-                              "--spec-options", "start_margin=-0.5",
+                              "--spec-options", "start_margin=-0.5,initial_overrun=1",
                               "--spec-profile", str(TINY_PROFILE)], {}),
         "self": (["--model-path", target, "--draft-model-path", target, "--k-max", "4",
                   "--spec-policy", "specserve", "--spec-profile", str(TINY_PROFILE)], {}),
@@ -178,7 +180,7 @@ def test_registry_policies_serve_greedy_output_equal_to_plain(launched, name):
 
 
 def test_draft_steps_fall_as_concurrency_rises(launched):
-    """Requests whose TPOT SLO is 5x this server's plain decode step alone (measured here,
+    """Requests whose TPOT SLO is 4x this server's plain decode step alone (measured here,
     so the test holds on slower and faster machines): alone, every draft length fits it and
     the plan picks the most efficient; sixteen at once, longer drafts would break it (the
     worst-case rule: a step must fit the SLO even if nothing is accepted), so the batch
@@ -191,7 +193,7 @@ def test_draft_steps_fall_as_concurrency_rises(launched):
              for i, p in enumerate(_prompts(3, seed=29))]
     assert all(set(m["sloserve_draft_steps"]) == {0} for m in plain)
     step = sorted(m["e2e_latency"] / m["completion_tokens"] for m in plain)[1]
-    slo = 6.0 * step
+    slo = 4.0 * step
 
     def mean_steps(n: int, seed: int) -> float:
         metas = [m["meta_info"] for m in _all_at_once(
