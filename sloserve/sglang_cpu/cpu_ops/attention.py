@@ -13,6 +13,13 @@ Scores are computed in float32 (`s = (q . k) * sm_scale`, then `cap * tanh(s / c
 logit_cap > 0), softmax in float32, output cast to the output tensor's dtype. GQA: query head
 h reads KV head h // (num_heads // num_kv_heads).
 
+Speed: without a logit cap, decode and short extends (at most SHORT_EXTEND tokens a request:
+speculative verify, draft extends) run as one padded, masked `scaled_dot_product_attention`
+over the batch (GQA without copying KV heads), long extends (prefill) one per request; with a
+cap, one request at a time by explicit scores. A verify of k + 1 tokens then reads each
+request's context once, as a decode step does (a request-by-request loop cost twice a
+decode's time per context token, which made every verified token look dear on this CPU).
+
 Not implemented (SGLang passes them only for models this project does not serve; each raises
 NotImplementedError naming the op): cross attention, sliding windows, attention sinks, encoder
 lengths, FP8 / int8 KV caches.
@@ -65,6 +72,31 @@ def _attend(
     return torch.einsum("hqk,khd->qhd", p, vf)
 
 
+SHORT_EXTEND = 32  # extends of at most this many tokens a request run batched
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+          sm_scale: float) -> torch.Tensor:
+    """q [B, H, Q, D], k [B, Hkv, K, D], v [B, Hkv, K, Dv], visible [B, 1, Q, K] bool ->
+    [B, H, Q, Dv] float32 (every query row must see at least one key). GQA as one group of
+    G = H / Hkv query heads per KV head: q viewed as [B, Hkv, G Q, D] (head h = j G + g)."""
+    B, H, Q, D = q.shape
+    Hkv = k.shape[1]
+    G = H // Hkv
+    qg = q.float().contiguous().view(B, Hkv, G * Q, D)
+    vis = visible.repeat(1, 1, G, 1) if G > 1 and Q > 1 else visible  # row g Q + i: row i
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qg, k.float(), v.float(), attn_mask=vis, scale=sm_scale)  # [B, Hkv, G Q, Dv]
+    return out.view(B, H, Q, -1)
+
+
+def _gather(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """buf [pool, Hkv, D], slots [B, L] -> [B, L, Hkv, D] (a copy; index_select is several
+    times faster than advanced indexing here)."""
+    B, L = slots.shape
+    return buf.index_select(0, slots.reshape(-1)).view(B, L, *buf.shape[1:])
+
+
 def decode_attention(
     query: torch.Tensor,  # [bs, H, D]
     k_buffer: torch.Tensor,  # [pool, Hkv, D]   written at loc
@@ -94,6 +126,15 @@ def decode_attention(
         k_buffer[loc] = key.to(k_buffer.dtype)
         v_buffer[loc] = value.to(v_buffer.dtype)
     rows = req_to_token[req_pool_indices.long()]  # [bs, max_context_len]
+    if logit_cap <= 0 and query.shape[0]:
+        lens = seq_lens.long()  # [bs]
+        L = int(lens.max())
+        slots = rows[:, :L].long()  # [bs, L]; slots past a request's length are masked
+        visible = (torch.arange(L) < lens[:, None])[:, None, None, :]  # [bs, 1, 1, L]
+        out = _sdpa(query.unsqueeze(2), _gather(k_buffer, slots).transpose(1, 2),
+                    _gather(v_buffer, slots).transpose(1, 2), visible, sm_scale)  # [bs, H, 1, Dv]
+        output.copy_(out[:, :, 0].to(output.dtype))
+        return
     for b in range(query.shape[0]):
         slots = rows[b, : int(seq_lens[b])].long()  # [L]
         out = _attend(query[b : b + 1], k_buffer[slots], v_buffer[slots], None, sm_scale,
@@ -133,6 +174,14 @@ def extend_attention(
     op = "extend_attention_cpu"
     _check_common(op, k_buffer, is_cross_attn, sliding_window_size, encoder_lens, sinks)
     rows = req_to_token[req_pool_indices.long()]  # [bs, max_context_len]
+    ext_lens, lens = extend_seq_lens.long(), seq_lens.long()
+    if bool((lens < ext_lens).any()):
+        raise ValueError(f"sgl_kernel.{op}: prefix length < 0 for a sequence")
+    if (logit_cap <= 0 and tree_mask is None and lens.numel()
+            and int(ext_lens.max()) <= SHORT_EXTEND):
+        _short_extend(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, rows,
+                      lens, ext_lens, extend_start_loc.long(), sm_scale, is_causal)
+        return
     mask_off = 0
     for b in range(seq_lens.shape[0]):
         n_ext, start = int(extend_seq_lens[b]), int(extend_start_loc[b])
@@ -158,5 +207,46 @@ def extend_attention(
         else:
             ext_vis = torch.ones(n_ext, n_ext, dtype=torch.bool)
         visible = torch.cat([torch.ones(n_ext, n_pre, dtype=torch.bool), ext_vis], dim=1)
-        out = _attend(q_extend[start : start + n_ext], k, v, visible, sm_scale, logit_cap)
+        qb = q_extend[start : start + n_ext]
+        if logit_cap <= 0:
+            out = _sdpa(qb.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                        v.transpose(0, 1)[None], visible[None, None], sm_scale)[0]
+            out = out.transpose(0, 1)  # [n_ext, H, Dv]
+        else:
+            out = _attend(qb, k, v, visible, sm_scale, logit_cap)
         o_extend[start : start + n_ext] = out.to(o_extend.dtype)
+
+
+def _short_extend(q_extend: torch.Tensor, k_extend: torch.Tensor | None,
+                  v_extend: torch.Tensor | None, o_extend: torch.Tensor,
+                  k_buffer: torch.Tensor, v_buffer: torch.Tensor, rows: torch.Tensor,
+                  lens: torch.Tensor, ext_lens: torch.Tensor, starts: torch.Tensor,
+                  sm_scale: float, is_causal: bool) -> None:
+    """extend_attention for short extends, the batch at once: request b's queries padded to
+    E = max ext_lens, its keys the first lens[b] slots of its req_to_token row (the extend
+    keys from k_extend where given), masked per request (prefix visible, the extend causal or
+    not, padding hidden). rows [bs, max_context_len]; lens, ext_lens, starts [bs] int64."""
+    E, L = int(ext_lens.max()), int(lens.max())
+    pre = lens - ext_lens  # [bs]
+    i = torch.arange(E)
+    valid = i[None, :] < ext_lens[:, None]  # [bs, E] real query rows
+    b_idx, e_idx = valid.nonzero(as_tuple=True)  # [T] each
+    src = starts[b_idx] + e_idx  # [T] rows of q/k/v/o_extend
+    slots = rows[:, :L].long()  # [bs, L]
+    k, v = _gather(k_buffer, slots), _gather(v_buffer, slots)  # [bs, L, Hkv, D] copies
+    if k_extend is not None and v_extend is not None:  # the new keys as passed
+        at = b_idx * L + pre[b_idx] + e_idx  # [T] rows of k.view(bs * L, ...)
+        k.view(-1, *k.shape[2:]).index_copy_(0, at, k_extend.index_select(0, src).to(k.dtype))
+        v.view(-1, *v.shape[2:]).index_copy_(0, at, v_extend.index_select(0, src).to(v.dtype))
+    rows_q = b_idx * E + e_idx  # [T] rows of q.view(bs * E, ...)
+    q = q_extend.new_zeros((len(lens), E, *q_extend.shape[1:]))  # [bs, E, H, D]
+    q.view(-1, *q.shape[2:]).index_copy_(0, rows_q, q_extend.index_select(0, src))
+    j = torch.arange(L)[None, None, :]  # key positions
+    visible = j < lens[:, None, None]  # [bs, 1 -> E, L]
+    if is_causal:
+        visible = visible & ((j < pre[:, None, None]) | (j - pre[:, None, None] <= i[None, :, None]))
+    visible = visible | ~valid[:, :, None]  # padded rows see everything (and are dropped)
+    out = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), visible[:, None],
+                sm_scale)  # [bs, H, E, Dv]
+    flat = out.transpose(1, 2).reshape(len(lens) * E, *out.shape[1:2], out.shape[3])
+    o_extend.index_copy_(0, src, flat.index_select(0, rows_q).to(o_extend.dtype))
