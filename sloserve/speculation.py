@@ -243,15 +243,18 @@ class SpecSession:
 
     def chain_drafted(self, confidences: np.ndarray) -> None:
         """A uniform step's chain was drafted: confidences [B, k] (k = the step's rounds) of
-        every request's proposals. The plan's verifier then picks each request's verify
-        length from them (verify_lengths), and the policy observes them."""
+        every request's proposals, NaN from where a request had no proposal (its chain
+        ended: drafted counts the proposals before). The plan's verifier then picks each
+        request's verify length from them (verify_lengths), and the policy observes them."""
         if self.uniform is None:
             raise RuntimeError("chain_drafted is for uniform steps (batch_rounds / fix_rounds)")
         conf = np.asarray(confidences, dtype=np.float64)
         if conf.shape != (self.step.batch_size, self.uniform):
             raise ValueError(f"chain confidences of shape {conf.shape}, expected "
                              f"{(self.step.batch_size, self.uniform)}")
-        self.confidences[:, :self.uniform] = conf
+        proposed = np.cumprod(np.isfinite(conf), axis=1)  # [B, k] 1 up to the first miss
+        self.confidences[:, :self.uniform] = np.where(proposed > 0, conf, np.nan)
+        self.drafted = proposed.sum(axis=1).astype(np.int64)
         self.chain_known = self.uniform > 0
 
     # ----- the end of the step

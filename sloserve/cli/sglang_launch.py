@@ -2,7 +2,8 @@
 server (`sglang.launch_server`) with sloserve's SPECSERVE speculative algorithm.
 
 sloserve's options are taken here and turned into SGLang's: the model pair (the built-in pair
-when none is given), `--tpot-slo` (the default SLO), `--spec-policy` (any policy of
+when none is given), `--drafter` (the draft model, or prompt lookup: the built-in engine's
+default, per preset), `--tpot-slo` (the default SLO), `--spec-policy` (any policy of
 sloserve.policies.registry, or ar: SGLang without speculation, the reference), `--k-max`
 (the most draft steps per batch), `--spec-options`, `--host`, `--port`, with the built-in
 engine's defaults (sloserve/spec_config.py), and the request limits `--max-n`,
@@ -74,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "builtin)")
     p.add_argument("--draft-model-path", default=None,
                    help="draft model: a directory or a preset (default: the preset's own)")
+    p.add_argument("--drafter", choices=settings.DRAFTERS, default=None,
+                   help="model: the draft model; ngram: prompt lookup over each request's "
+                        "own tokens (SGLang's draft worker still loads a model, the draft's "
+                        "or else the target, and never runs it). Default: the built-in "
+                        "engine's (the preset's choice; model with --draft-model-path)")
     p.add_argument("--tpot-slo", type=duration, default=DEFAULTS.tpot_slo,
                    help="default TPOT SLO, e.g. 30ms (a request's own: tpot_slo in its "
                         "sampling params, or custom_params.tpot_slo)")
@@ -89,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "trim: one draft length per batch, each request's verify trimmed "
                         "from the draft's confidences")
     p.add_argument("--spec-profile", default=None,
-                   help="a profile of SGLang's forwards to use instead of the lookup")
+                   help="a profile of SGLang's forwards to use instead of the lookup; none: "
+                        "no profile (the estimate from the models' shapes, corrected online)")
     p.add_argument("--spec-step-log", default=None,
                    help="a file that gets one JSON line per per-request step")
     # profiling (python -m sloserve.profiler --engine sglang) and tests only
@@ -140,16 +147,18 @@ def sglang_args(argv: Sequence[str], bind: tuple[str, int] | None = None
         check_speculation(spec_config)
     except SpeculationSettingError as e:
         parser.error(f"argument --spec-{e.setting}: {e}")
+    from sloserve.runtime.models.presets import default_drafter, preset_has_draft, resolve_pair
+
+    drafter = args.drafter or ("model" if args.draft_model_path
+                               else default_drafter(args.model_path))
     try:
         worker = settings.WorkerConfig(
-            spec_config, lengths=args.spec_lengths, profile=args.spec_profile,
+            spec_config, lengths=args.spec_lengths, drafter=drafter, profile=args.spec_profile,
             sweep=args.spec_sweep, timings=args.spec_timings, step_log=args.spec_step_log,
             test_verify_lens=args.spec_test_verify_lens,
             test_accept_all=args.spec_test_accept_all)
     except ValueError as e:  # the hidden profiling and test switches
         parser.error(f"argument --spec-sweep/--spec-test-verify-lens: {e}")
-    from sloserve.runtime.models.presets import preset_has_draft, resolve_pair
-
     # presets (builtin, smollm2) are built or fetched here on first use, before SGLang starts
     wants_draft = args.spec_policy != "ar" and (args.draft_model_path is not None
                                                 or preset_has_draft(args.model_path))
@@ -160,9 +169,12 @@ def sglang_args(argv: Sequence[str], bind: tuple[str, int] | None = None
         parser.error(f"argument --model-path: {e}")
     spec = None
     if args.spec_policy != "ar":
+        if draft is None and drafter == "ngram":
+            draft = target  # SGLang's draft worker loads it; the n-gram chains never run it
         if draft is None:
             parser.error("SPECSERVE needs a draft model: --draft-model-path "
-                         "(or --spec-policy ar for SGLang without speculation)")
+                         "(or --drafter ngram, or --spec-policy ar for SGLang without "
+                         "speculation)")
         spec = SpecConfig(draft, algorithm="SPECSERVE", num_steps=args.k_max, eagle_topk=1,
                           num_draft_tokens=args.k_max + 1)
     extra = list(passthrough) + (["--disable-overlap-schedule"] if spec else [])

@@ -148,9 +148,11 @@ class StepController:
     def after_round(self, step: SGLangStep, confidences: Sequence[float] | np.ndarray) -> bool:
         """The batch drafted one more position; confidences: [B] the draft's probability of
         each proposed token (every row drafts in SGLang's batch forward; rows the plan had
-        dropped are not counted). Returns whether another round runs."""
+        dropped are not counted), NaN where a request had no proposal (the n-gram drafter's
+        misses: its chain ends there). Returns whether another round runs."""
         s = step.session
-        drafting = s.after_round(np.asarray(confidences, dtype=np.float64))
+        conf = np.asarray(confidences, dtype=np.float64)
+        drafting = s.after_round(conf, s.drafting & np.isfinite(conf))
         if self.forced_lengths:
             s.drafting = drafting = np.full(len(drafting), s.rounds < self.k_max)
         return bool(drafting.any())

@@ -19,6 +19,9 @@ draft's slot of position p holds token p, as in sloserve's own engine:
                  missing, also for slots shared later through the radix cache); the next
                  step that drafts first reads every missing position in one ragged extend
 
+NgramDraft (`--drafter ngram`) replaces the draft model's rounds by prompt lookup over each
+request's own tokens (ngram_chain.py): no draft forward, no draft KV.
+
 The chain goes to SGLang's own verify as [b, d_1..d_k] (topk 1). The multi-step attention
 backends are built here per k with k + 1 positions (SGLang's hold k - 1 draft forwards).
 """
@@ -33,6 +36,7 @@ import torch
 
 from sloserve.sglang_ext.chain_sampling import draft_pick
 from sloserve.sglang_ext.draft_kv import DraftKVBook
+from sloserve.sglang_ext.ngram_chain import NgramChains
 from sloserve.sglang_ext.sglang_internals import (
     CaptureHiddenMode,
     DraftBackendFactory,
@@ -73,6 +77,8 @@ def sampled_batch(batch: Any) -> bool:
 class AlignedDraft:
     """Replaces the EAGLE-layout methods of SGLang's standalone draft worker `dw`."""
 
+    deterministic = False  # proposals drawn from q (NgramDraft: one-hot, no q kept)
+
     def __init__(self, dw: Any, k_max: int, on_chain: ChainSink | None = None,
                  on_round: RoundHook | None = None, on_stop: RoundsDone | None = None) -> None:
         self.dw = dw
@@ -95,6 +101,9 @@ class AlignedDraft:
             self._book = DraftKVBook(self.dw.req_to_token_pool.req_to_token,
                                      pool.size + pool.page_size)
         return self._book
+
+    def release(self, rid: str) -> None:
+        """The request finished (the draft's KV goes with SGLang's slots)."""
 
     def backend(self, k: int) -> Any:
         """The multi-step draft attention backend for k forwards (SGLang's factory builds one
@@ -169,11 +178,43 @@ class AlignedDraft:
             hidden_states=None, bonus_tokens=bonus, capture_hidden_mode=CaptureHiddenMode.NULL,
             num_tokens_per_req=1, num_tokens_for_logprob_per_req=1)
 
-    # ----- draft: k forwards from the bonus token
+    # ----- draft: k rounds from the bonus token, then SGLang's verify input
     def draft(self, batch: Any, *, with_topology: bool = False) -> Any:
         dw = self.dw
         k = dw.speculative_num_steps
         draft_input: EagleDraftInput = batch.spec_info
+        bs = len(batch.seq_lens)
+        drafts, confs, qs = self.rounds(batch, draft_input, k)
+        if len(drafts) < k:
+            # fewer rounds than prepared: the verify (and the draft extend after it) use the
+            # runtime state of that many rounds; its KV slots are a prefix of the reserved ones
+            k = len(drafts)
+            assert self.on_stop is not None
+            self.on_stop(k)
+        draft_tokens = torch.stack(drafts, dim=1)  # [bs, k]
+        self.last_q = torch.stack(qs, dim=1) if qs else None
+        if self.on_chain is not None:  # want_conf: a confidence per round
+            self.on_chain(batch, draft_tokens, torch.stack(confs, dim=1))
+        verify_input = build_eagle_verify_input(
+            batch, draft_input, dw._topk1_parents_prealloc[:bs],
+            dw._topk1_score_indices_prealloc[:bs], draft_tokens, None,
+            target_worker=dw.target_worker, topk=1, num_steps=k, num_draft_tokens=k + 1,
+            tree_mask_mode=dw.tree_mask_mode, device=dw.device)
+        if with_topology:
+            return verify_input, dw._topk1_parents_prealloc[:bs], \
+                dw._topk1_score_indices_prealloc[:bs]
+        return verify_input
+
+    def go_on(self, batch: Any, conf: torch.Tensor | None) -> bool:
+        """Whether another draft round runs after one with these [bs] confidences."""
+        return self.on_round is None or conf is None or self.on_round(batch, conf)
+
+    def rounds(self, batch: Any, draft_input: EagleDraftInput, k: int
+               ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """Up to k draft forwards (fewer when the plan stops): each round's tokens [bs],
+        confidences [bs] (when anyone reads them) and, for a batch SPECSERVE samples, the
+        distributions q [bs, V] the tokens were drawn from."""
+        dw = self.dw
         self.catch_up(batch)
         # slots of positions L..L + k (SGLang reserves them per decode step) and positions L
         fb, _, _ = prepare_for_draft(draft_input, dw.req_to_token_pool, batch, None,
@@ -184,7 +225,9 @@ class AlignedDraft:
         fb.mark_forward_metadata_ready()
         locs = per_step_draft_out_cache_loc(fb.out_cache_loc, bs, 1, k + 1)  # [k + 1, bs]
         tokens = draft_input.bonus_tokens.to(torch.int64).reshape(bs)
-        drafts, confs, qs = [], [], []
+        drafts: list[torch.Tensor] = []
+        confs: list[torch.Tensor] = []
+        qs: list[torch.Tensor] = []
         si = batch.sampling_info
         sampled = sampled_batch(batch)
         # greedy confidences only when someone reads them (the plan's early stop, a chain
@@ -197,6 +240,7 @@ class AlignedDraft:
             with forward_context(ForwardContext(attn_backend=backend.attn_backends[i]),
                                  forward_batch=fb):
                 logits = dw.draft_runner.forward(fb).logits_output.next_token_logits  # [bs, V]
+            conf: torch.Tensor | None
             if sampled:
                 tokens, conf, q = draft_pick(logits, si.temperatures.reshape(-1), si.top_ks,
                                              si.top_ps)
@@ -211,29 +255,9 @@ class AlignedDraft:
             if conf is not None:
                 confs.append(conf)
             fb.positions.add_(1)
-            # on_round set: want_conf, so every round has a confidence
-            if self.on_round is not None and conf is not None \
-                    and not self.on_round(batch, conf):
+            if not self.go_on(batch, conf):
                 break  # the plan: one more round would lower the expected goodput
-        if len(drafts) < k:
-            # fewer rounds than prepared: the verify (and the draft extend after it) use the
-            # runtime state of that many rounds; its KV slots are a prefix of the reserved ones
-            k = len(drafts)
-            assert self.on_stop is not None
-            self.on_stop(k)
-        draft_tokens = torch.stack(drafts, dim=1)  # [bs, k]
-        self.last_q = torch.stack(qs, dim=1) if sampled else None
-        if self.on_chain is not None:  # want_conf: a confidence per round
-            self.on_chain(batch, draft_tokens, torch.stack(confs, dim=1))
-        verify_input = build_eagle_verify_input(
-            batch, draft_input, dw._topk1_parents_prealloc[:bs],
-            dw._topk1_score_indices_prealloc[:bs], draft_tokens, None,
-            target_worker=dw.target_worker, topk=1, num_steps=k, num_draft_tokens=k + 1,
-            tree_mask_mode=dw.tree_mask_mode, device=dw.device)
-        if with_topology:
-            return verify_input, dw._topk1_parents_prealloc[:bs], \
-                dw._topk1_score_indices_prealloc[:bs]
-        return verify_input
+        return drafts, confs, qs
 
     # ----- after verify: the draft reads the verified window
     def decode_extend(self, batch: Any, batch_result: Any, *, kv_loc_plan: Any = None) -> None:
@@ -260,6 +284,55 @@ class AlignedDraft:
         with lm_head_skipped():  # KV only: the next round starts from the bonus token
             dw.draft_runner.forward(fb)
         self.book.written(fb.out_cache_loc)
+
+
+class NgramDraft(AlignedDraft):
+    """SPECSERVE's n-gram drafter (`--drafter ngram`): the chains come from prompt lookup
+    over each request's own tokens (ngram_chain.py), no draft forward and no draft KV. SGLang
+    still builds its STANDALONE draft worker (a draft model is loaded) but none of its
+    forwards runs: prefill and the read of the verified window do nothing. The proposals
+    are deterministic, so a sampled batch's acceptance takes q one-hot on them
+    (worker._sample)."""
+
+    deterministic = True
+
+    def __init__(self, dw: Any, k_max: int, on_chain: ChainSink | None = None,
+                 on_round: RoundHook | None = None, on_stop: RoundsDone | None = None,
+                 n_max: int = 3) -> None:
+        super().__init__(dw, k_max, on_chain, on_round, on_stop)
+        self.chains = NgramChains(n_max)
+
+    def release(self, rid: str) -> None:
+        self.chains.release(rid)
+
+    def prefill_extend(self, batch: Any, target_hidden_states: Any, next_token_ids: torch.Tensor,
+                       mm_input_embeds: Any = None, kv_loc_plan: Any = None) -> EagleDraftInput:
+        return self._next_input(len(batch.seq_lens), next_token_ids)
+
+    def catch_up(self, batch: Any) -> None:
+        """Nothing to read: there is no draft KV."""
+
+    def rounds(self, batch: Any, draft_input: EagleDraftInput, k: int
+               ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        bs = len(batch.seq_lens)
+        bonus = draft_input.bonus_tokens.reshape(bs).tolist()
+        self.chains.start([r.rid for r in batch.reqs],
+                          [r.origin_input_ids + r.output_ids for r in batch.reqs], bonus)
+        dev = self.dw.device
+        drafts: list[torch.Tensor] = []
+        confs: list[torch.Tensor] = []
+        for _ in range(k):
+            tokens, conf = self.chains.round()
+            drafts.append(torch.from_numpy(tokens).to(dev))
+            confs.append(torch.from_numpy(conf).to(dev))
+            if not self.go_on(batch, confs[-1]):
+                break
+        return drafts, confs, []
+
+    def decode_extend(self, batch: Any, batch_result: Any, *, kv_loc_plan: Any = None) -> None:
+        nxt = batch_result.next_draft_input
+        stub = self._next_input(len(batch.seq_lens), nxt.bonus_tokens)
+        nxt.topk_p, nxt.topk_index, nxt.hidden_states = stub.topk_p, stub.topk_index, None
 
 
 def _rows(batch: Any) -> list[int]:

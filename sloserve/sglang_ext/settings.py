@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from sloserve.estimator.cost_model import CostModel, rough_cost
+from sloserve.estimator.cost_model import CostModel, ForwardCost, rough_cost
 from sloserve.estimator.profile_file import Profile, find_profile, model_key, read_profile
 from sloserve.estimator.profile_lookup import default_dirs, device_key, fingerprint
 from sloserve.policies.registry import make_policy
@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 ENV_CONFIG = "SLOSERVE_SGLANG_CONFIG"
 LENGTHS = ("uniform", "per-request", "trim")
+DRAFTERS = ("model", "ngram")
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,13 @@ class WorkerConfig:
     # drafted per batch, each request's verify trimmed by the plan's verifier from the
     # chain's confidences (one ragged verify, no plan call between draft rounds)
     lengths: str = "uniform"
-    profile: str | None = None  # a profile file to use instead of the lookup
+    # model: the draft model SGLang loads (its KV aligned, draft_chain.AlignedDraft); ngram:
+    # prompt lookup over each request's tokens (draft_chain.NgramDraft; SGLang still loads
+    # a draft model for its worker but never runs it)
+    drafter: str = "model"
+    # a profile file to use instead of the lookup; "none": no profile (the shape-based
+    # estimate corrected online, as on a pair's first start)
+    profile: str | None = None
     sweep: tuple[int, ...] = ()  # profiling: draft lengths to cycle through (uniform steps)
     timings: str | None = None  # profiling: a file that gets one JSON line a step
     step_log: str | None = None  # a file that gets one JSON line per per-request step
@@ -57,6 +64,9 @@ class WorkerConfig:
         if self.lengths not in LENGTHS:
             raise ValueError(f"lengths must be one of {', '.join(LENGTHS)}, got "
                              f"{self.lengths!r}")
+        if self.drafter not in DRAFTERS:
+            raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}, got "
+                             f"{self.drafter!r}")
         if any(x < 0 for x in (*self.sweep, *self.test_verify_lens)):
             raise ValueError("sweep and test_verify_lens must be non-negative integers")
 
@@ -95,12 +105,15 @@ def sglang_device_key(device: str) -> str:
     return f"sglang-{device_key(device)}"
 
 
-def find_sglang_profile(target_path: str, draft_path: str, device: str,
+def find_sglang_profile(target_path: str, draft_path: str | None, device: str,
                         dtype: str, explicit: str | None = None) -> Profile | None:
+    """The profile of SGLang's forwards for the pair (draft_path None: the n-gram drafter,
+    key "ngram", as the built-in engine's)."""
     if explicit:
         return read_profile(explicit)
     keys = (model_key(target_path, fingerprint(target_path)),
-            model_key(draft_path, fingerprint(draft_path)), sglang_device_key(device), dtype)
+            model_key(draft_path, fingerprint(draft_path)) if draft_path else "ngram",
+            sglang_device_key(device), dtype)
     for d in default_dirs():
         path = find_profile(d, *keys)
         if path is not None:
@@ -110,9 +123,23 @@ def find_sglang_profile(target_path: str, draft_path: str, device: str,
 
 
 def load_cost(target_path: str, draft_path: str, device: str, dtype: str,
-              explicit: str | None = None) -> tuple[CostModel, Any]:
-    """The cost model of SGLang's forwards and the pair's calibration counts (or None)."""
-    profile = find_sglang_profile(target_path, draft_path, device, dtype, explicit)
+              explicit: str | None = None, drafter: str = "model") -> tuple[CostModel, Any]:
+    """The cost model of SGLang's forwards and the pair's calibration counts (or None).
+    The n-gram drafter: its own profile, else the draft model's profile with the draft
+    free (the target's forwards are the same whichever drafter proposes; the draft model's
+    calibration is not the n-gram's), else the rough estimate of the target alone.
+    explicit "none": the rough estimate whatever profiles exist."""
+    profile: Profile | None = None
+    if explicit == "none":
+        pass
+    elif drafter == "ngram":
+        profile = (find_sglang_profile(target_path, None, device, dtype, explicit)
+                   or find_sglang_profile(target_path, draft_path, device, dtype))
+        if profile is not None and profile.draft.key != "ngram":
+            cost = profile.cost_model()
+            return CostModel(cost.target, ForwardCost.free(), cost.overhead), None
+    else:
+        profile = find_sglang_profile(target_path, draft_path, device, dtype, explicit)
     if profile is not None:
         return profile.cost_model(), profile.calibration
     from sloserve.runtime.models.config import load_config
@@ -120,17 +147,19 @@ def load_cost(target_path: str, draft_path: str, device: str, dtype: str,
     log.warning("SPECSERVE: no cost profile of SGLang's forwards for this pair and device; "
                 "starting from a rough estimate (python -m sloserve.profiler --engine sglang "
                 "measures one)")
-    return rough_cost(load_config(target_path), load_config(draft_path)), None
+    draft_cfg = load_config(draft_path) if drafter == "model" else None
+    return rough_cost(load_config(target_path), draft_cfg), None
 
 
 def make_controller(cfg: WorkerConfig, target_path: str, draft_path: str, k_max: int,
                     device: str, dtype: str = "auto") -> StepController:
     """The worker's controller: the config's policy built by the registry (any policy;
     k_max: SGLang's largest runtime state) on the cost model of SGLang's forwards."""
-    cost, calibration = load_cost(target_path, draft_path, device, dtype, cfg.profile)
+    cost, calibration = load_cost(target_path, draft_path, device, dtype, cfg.profile,
+                                  cfg.drafter)
     spec = cfg.spec
-    policy = make_policy(spec.policy, cost, k_max=k_max, calibration=calibration,
-                         options=spec.options)
+    policy = make_policy(spec.policy, cost, k_max=k_max, drafter=cfg.drafter,
+                         calibration=calibration, options=spec.options)
     return StepController(policy, k_max, spec.tpot_slo, per_request=cfg.per_request,
                           trim=cfg.trim,
                           sweep=cfg.sweep, timings_path=cfg.timings,

@@ -41,7 +41,7 @@ import torch
 from sloserve.sglang_ext import settings
 from sloserve.sglang_ext.chain_sampling import processed_probs, verify_chains
 from sloserve.sglang_ext.controller import SGLangStep, SGLangStepsPolicy, StepController
-from sloserve.sglang_ext.draft_chain import AlignedDraft, sampled_batch
+from sloserve.sglang_ext.draft_chain import AlignedDraft, NgramDraft, sampled_batch
 from sloserve.sglang_ext.sglang_internals import (
     AdaptiveController,
     ForwardMode,
@@ -119,10 +119,11 @@ class SpecServeWorker(StandaloneWorkerV2):  # type: ignore[misc]  # SGLang is un
         # sweep records them, fitting the pair's calibration from them (they cost a pass
         # over the draft's logits per round: a timed run without either skips them)
         wants_chain = (bool(ctl.sweep) or ctl.trim) and not self.per_request
-        self.aligned = AlignedDraft(dw, self.speculative_num_steps,
-                                    on_chain=self._chain_drafted if wants_chain else None,
-                                    on_round=self._after_round if self.per_request else None,
-                                    on_stop=self._rounds_done)
+        chain = NgramDraft if cfg.drafter == "ngram" else AlignedDraft
+        self.aligned = chain(dw, self.speculative_num_steps,
+                             on_chain=self._chain_drafted if wants_chain else None,
+                             on_round=self._after_round if self.per_request else None,
+                             on_stop=self._rounds_done)
         self.aligned.install()
         self.test_accept_all = cfg.test_accept_all
         dw.draft = _timed(dw.draft, lambda st, t: st.add_times(draft=t), dev)
@@ -132,8 +133,9 @@ class SpecServeWorker(StandaloneWorkerV2):  # type: ignore[misc]  # SGLang is un
                                              lambda st, t: st.add_times(extend=t), dev)
         self.verify = _timed(  # type: ignore[method-assign]  # an instance's timed verify
             self.verify, lambda st, t: st.add_times(verify=t), dev)
-        logger.info("SPECSERVE: sloserve %s, draft steps 0..%d, default TPOT SLO %s, %s steps",
-                    ctl.policy.name, ctl.k_max, ctl.default_tpot_slo,
+        logger.info("SPECSERVE: sloserve %s, %s drafter, draft steps 0..%d, default TPOT "
+                    "SLO %s, %s steps", ctl.policy.name, cfg.drafter, ctl.k_max,
+                    ctl.default_tpot_slo,
                     "per-request" if self.per_request else "trimmed" if ctl.trim
                     else "uniform")
 
@@ -199,7 +201,9 @@ class SpecServeWorker(StandaloneWorkerV2):  # type: ignore[misc]  # SGLang is un
                             si.top_ks.repeat_interleave(n), si.top_ps.repeat_interleave(n))
         cand = verify_input.draft_token.reshape(bs, n).to(torch.int64)
         q = self.aligned.last_q
-        if n == 1 or q is None:
+        if n > 1 and self.aligned.deterministic:  # n-gram proposals: q one-hot on them
+            q = torch.nn.functional.one_hot(cand[:, 1:], V).float()  # [bs, n - 1, V]
+        elif n == 1 or q is None:
             q = logits.new_zeros((bs, 0, V))
         verified = step.session.verified if step is not None else None
         k = (verified.tolist() if verified is not None and len(verified) == bs
@@ -295,6 +299,7 @@ class SpecServeWorker(StandaloneWorkerV2):  # type: ignore[misc]  # SGLang is un
     def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
         super().note_request_finished(rid=rid, natural_stop=natural_stop)
         self.controller.release_policy(rid)
+        self.aligned.release(rid)
 
 
 class SpecServeOutputStreamer(SchedulerOutputStreamer):  # type: ignore[misc]

