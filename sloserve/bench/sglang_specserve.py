@@ -1,6 +1,7 @@
 """SGLang + SPECSERVE against SGLang's own speculation and plain decoding, closed loop, on one
 machine in one run (issue #17, acceptance 4). Takes about 20-25 minutes on a 2-core CPU
-with the defaults (four servers started one after another, 60-120 s each).
+with the defaults on the built-in pair (servers started one after another, 60-120 s each),
+45 minutes for five systems on smollm2; it prints its estimate first.
 
     python -m sloserve.bench.sglang_specserve [--levels 1,4,16] [--repeats 3]
         [--new-tokens 64] [--prompt-tokens 128] [--model-path T --draft-model-path D] [--out out/...json]
@@ -24,7 +25,11 @@ CPU engine's flags added on machines without CUDA), float32, the same model pair
                   sglang` starts it by default (policy specserve-slo, the launcher's k_max;
                   --k-max here overrides it), or with POLICY (any of the registry: fixed:3
                   is written fixed=3, lut:1=0 lut=1=0), MODE and OPTIONS as above
+    sloserve-ngram[:POLICY[:MODE[:OPTIONS]]]  the same with `--drafter ngram` (prompt
+                  lookup over each request's tokens; no draft forward)
     standalone:N  SGLang's STANDALONE with N draft steps (any N)
+    SYSTEM/no-profile  a SPECSERVE system without its cost profile (--spec-profile none:
+                  the estimate from the models' shapes, corrected online)
 
 SGLang's own adaptive speculation (`--speculative-adaptive`) applies only to EAGLE/EAGLE3
 in 0.5.23 (speculative/adaptive_spec_params.py: adaptive_unsupported_reason); with
@@ -85,6 +90,9 @@ def ours(system: str) -> bool:
 def system_args(system: str, target: str, draft: str, k_max: int | None = None) -> list[str]:
     """`python -m sloserve.launch --engine sglang` options of one system."""
     pair = ["--model-path", target, "--draft-model-path", draft]
+    if system.endswith("/no-profile"):  # a SPECSERVE system as on the pair's first start
+        return system_args(system.removesuffix("/no-profile"), target, draft, k_max) + [
+            "--spec-profile", "none"]
     if system == "plain":
         return pair + ["--spec-policy", "ar"]
     if system.startswith("specserve"):
@@ -93,8 +101,9 @@ def system_args(system: str, target: str, draft: str, k_max: int | None = None) 
                        "--spec-lengths", mode or "uniform",
                        "--spec-options", options.replace("+", ",")]
     if system.startswith("sloserve"):
-        _, policy, mode, options = (system.split(":", 3) + ["", "", ""])[:4]
+        name, policy, mode, options = (system.split(":", 3) + ["", "", ""])[:4]
         out = pair + (["--k-max", str(k_max)] if k_max is not None else [])
+        out += ["--drafter", "ngram" if name == "sloserve-ngram" else "model"]
         if policy:
             out += ["--spec-policy", policy.replace("=", ":", 1)]
         return out + ["--spec-lengths", mode or "uniform",
@@ -207,9 +216,13 @@ def run_systems(systems: list[str], python: str, target: str, draft: str,
     groups = [systems] if interleave else [[s] for s in systems]
     for group in groups:
         t0 = time.monotonic()
-        runs = [Running(s, python, target, draft, logs, port + i, k_max, timings)
-                for i, s in enumerate(group)]
+        runs: list[Running] = []
         try:
+            # one server starts at a time: SGLang sizes its KV pool on a CPU from the memory
+            # its weights leave free, which servers loading beside it would take (exit 247)
+            for i, s in enumerate(group):
+                runs.append(Running(s, python, target, draft, logs, port + i, k_max, timings))
+                runs[-1].server.wait()
             for run in runs:
                 run.warm(prompts, levels, new_tokens, ignore_eos, t0)
             for rep in range(repeats):
@@ -292,9 +305,13 @@ def main(argv: list[str] | None = None) -> int:
     python = sglang_python()
     logs = Path(args.out).parent / "sglang_specserve_logs"
     logs.mkdir(parents=True, exist_ok=True)
+    # measured on 2 cores: a server starts in 1-1.5 min, a (system, level, repeat) cell
+    # takes 0.3 (built-in pair, C = 1) to 1.5 min (smollm2, C = 16)
+    n, cells = len(systems), len(systems) * len(levels) * args.repeats
     print(f"SGLang closed loop: {systems} at concurrency {levels}, {args.repeats} repeats, "
-          f"{args.new_tokens} tokens a request; about 20-25 minutes on 2 cores (server logs "
-          f"in {logs})", flush=True)
+          f"{args.new_tokens} tokens a request; about {n + 0.3 * cells:.0f}-"
+          f"{1.5 * n + 1.5 * cells:.0f} minutes on 2 cores (server logs in {logs})",
+          flush=True)
     prompts, chat = bench_prompts(target, args.prompt_tokens, args.chat)
     print(f"prompts: 64 Spec-Bench questions, categories round-robin"
           f"{', in the chat template' if chat else ''}, at most {args.prompt_tokens} tokens",
