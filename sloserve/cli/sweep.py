@@ -6,6 +6,16 @@
         --trace ../shared/data/traces/azure_llm_2023_conv.csv --loads 1,2,4,8 --rate-unit trace \
         --tpot-slo-ms 15 --ttft-slo-ms 1000 --out runs/sweep_sim
 
+    # SGLang's own servers (the real pair, prompt lookup), 0.3-1.5x what plain SGLang
+    # sustains; every system's server up at once (about 3.5 GB each), each cell replayed
+    # on every system in turn
+    python -m sloserve.replay.sweep --target sglang --model smollm2 \
+        --policies plain,standalone:1,sloserve-ngram:specserve,sloserve-ngram,sloserve-ngram:lut,sloserve-ngram:fixed=3 \
+        --default-policy sloserve-ngram \
+        --trace ../shared/data/traces/azure_llm_2023_conv.csv --loads 0.3,0.6,1,1.5 \
+        --rate-unit ar --seeds 0,1,2 --requests 24 --output-scale 0.25 --output-max 64 \
+        --tpot-slo-ms 150 --ttft-slo-ms 4000 --out runs/sweep_sglang
+
     # the in-process engine on this CPU (built-in pair), 0.3-1.5x what `ar` sustains
     python -m sloserve.replay.sweep --target inprocess \
         --trace ../shared/data/traces/azure_llm_2023_conv.csv --loads 0.3,0.6,1,1.5 \
@@ -18,7 +28,12 @@ each request with an SLO class drawn from `--mix` (slo_mix.py); every policy rep
 same cells, one run after another. `--rate-unit ar` first measures what `ar` sustains (its
 request throughput when the first seed's requests all arrive at once) and sets the loads as
 multiples of it; `trace` uses the whole trace's mean rate (ar's capacity is measured and
-reported either way). Writes sweep.json, sweep.md and plots (sweep_report.py) to --out. It
+reported either way). With `--target sglang` the policies are the systems of `python -m
+sloserve.bench.sglang_specserve` (plain, standalone:N, sloserve[-ngram][:POLICY[:MODE[:OPTIONS]]]),
+each its own SGLang server started by `python -m sloserve.launch --engine sglang`, "plain"
+plays ar's part, prompts are Spec-Bench questions in the target's chat template (its
+categories round-robin, cut to --prompt-tokens; the trace gives arrivals and output lengths)
+and each request's SLOs travel in SGLang's custom_params. Writes sweep.json, sweep.md and plots (sweep_report.py) to --out. It
 prints the number of runs first and one line per run with the elapsed time.
 """
 
@@ -34,8 +49,9 @@ from typing import Any
 
 from sloserve.cli.targets import make_target
 from sloserve.replay.formats import load_trace
+from sloserve.replay.http_target import SGLangHTTPTarget
 from sloserve.replay.metrics import SloConfig
-from sloserve.replay.prompts import PromptSource, SyntheticIdsSource
+from sloserve.replay.prompts import Prompt, PromptSource, SyntheticIdsSource
 from sloserve.replay.records import PolicyRun, ReplayRequest
 from sloserve.replay.shaping import Scaling
 from sloserve.replay.slo_mix import DEFAULT_MIX, parse_mix
@@ -45,6 +61,8 @@ from sloserve.replay.sweep_stats import aggregate, run_stats
 from sloserve.replay.trace import describe
 
 DEFAULT_POLICIES = "ar,fixed:1,fixed:3,goodput,lut,adaserve,specserve,specserve-slo"
+SGLANG_POLICIES = ("plain,standalone:1,sloserve-ngram:specserve,sloserve-ngram,"
+                   "sloserve-ngram:lut,sloserve-ngram:fixed=3")
 MAX_SERIES = 400  # time-series points kept per run for the mean-k plot
 
 
@@ -56,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m sloserve.replay.sweep",
                                 description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--target", choices=("sim", "inprocess"), required=True)
+    p.add_argument("--target", choices=("sim", "inprocess", "sglang"), required=True)
     p.add_argument("--trace", type=Path, required=True)
     p.add_argument("--loads", type=floats, default=[1, 2, 4, 8])
     p.add_argument("--rate-unit", choices=("trace", "ar"), default="trace")
@@ -67,8 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mix", default=DEFAULT_MIX, help="SLO classes name:tpot_x:ttft_x[:w],...")
     p.add_argument("--tpot-slo-ms", type=float, default=15.0, help="base TPOT SLO")
     p.add_argument("--ttft-slo-ms", type=float, default=1000.0, help="base TTFT SLO")
-    p.add_argument("--policies", default=DEFAULT_POLICIES)
-    p.add_argument("--default-policy", default="specserve-slo")
+    p.add_argument("--policies", default=None,
+                   help=f"default: {DEFAULT_POLICIES} (sglang: {SGLANG_POLICIES})")
+    p.add_argument("--default-policy", default=None,
+                   help="default: specserve-slo (sglang: sloserve-ngram)")
     g = p.add_argument_group("token lengths (recorded in the report)")
     g.add_argument("--input-scale", type=float, default=1.0)
     g.add_argument("--input-max", type=int, default=None)
@@ -85,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-cache-tokens", type=int, default=None,
                    help="default: 65536 in-process, 1048576 simulated")
     g.add_argument("--vocab-size", type=int, default=2048, help="in-process prompt ids")
+    g = p.add_argument_group("SGLang servers (--target sglang)")
+    g.add_argument("--model", default="smollm2", help="target: a directory or a preset")
+    g.add_argument("--draft-model-path", default=None, help="default: the preset's draft")
+    g.add_argument("--port", type=int, default=32877, help="the first system's port")
+    g.add_argument("--prompt-tokens", type=int, default=256, help="prompts cut to this")
     p.add_argument("--out", type=Path, default=Path("runs/sweep"))
     p.add_argument("--no-plots", action="store_true")
     return p
@@ -98,9 +123,17 @@ class Sweep:
         from sloserve.runtime.scheduler import SchedulerConfig
 
         self.args = args
-        self.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
-        if args.default_policy not in self.policies:
-            raise SystemExit(f"--default-policy {args.default_policy} is not in --policies")
+        sglang = args.target == "sglang"
+        policies = args.policies or (SGLANG_POLICIES if sglang else DEFAULT_POLICIES)
+        self.policies = [x.strip() for x in policies.split(",") if x.strip()]
+        self.default = args.default_policy or ("sloserve-ngram" if sglang else "specserve-slo")
+        if self.default not in self.policies:
+            raise SystemExit(f"--default-policy {self.default} is not in --policies")
+        self.reference = "plain" if sglang else "ar"  # whose capacity sets the loads
+        if sglang and self.reference not in self.policies:
+            raise SystemExit("--target sglang: --policies needs plain (SGLang without "
+                             "speculation: the loads are multiples of what it sustains)")
+        self.servers = SGLangServers(args, self.policies) if sglang else None
         kv = args.kv_cache_tokens or (1 << 20 if args.target == "sim" else 65536)
         self.cfg = EngineConfig(
             k_max=args.k_max, kv_cache_tokens=kv, tpot_slo=None, dtype=args.dtype,
@@ -109,6 +142,8 @@ class Sweep:
         self.t0 = time.time()
 
     def source(self) -> PromptSource:
+        if self.servers is not None:
+            return self.servers.prompts
         if self.args.target == "sim":
             from sloserve.sim.target import LengthOnlySource
 
@@ -117,13 +152,70 @@ class Sweep:
 
     def replay(self, policy: str, seed: int, requests: tuple[ReplayRequest, ...]) -> PolicyRun:
         a = self.args
-        target = make_target(a.target, policy, engine_config=self.cfg, profile=a.profile,
-                             acceptance=a.acceptance, sim_seed=seed)
+        target: Any
+        if self.servers is not None:
+            target = SGLangHTTPTarget(self.servers.url(policy), send_slos=True)
+        else:
+            target = make_target(a.target, policy, engine_config=self.cfg, profile=a.profile,
+                                 acceptance=a.acceptance, sim_seed=seed)
         records = asyncio.run(target.run(list(requests), None))
         return PolicyRun(policy, tuple(records), target.spec_stats())
 
     def log(self, text: str) -> None:
         print(f"[{time.time() - self.t0:7.1f} s] {text}", flush=True)
+
+
+class ChatPrompts:
+    """A PromptSource of fixed prompts (token ids), one drawn per request."""
+
+    def __init__(self, prompts: list[list[int]]) -> None:
+        self.prompts = prompts
+
+    def prompt_for(self, request: Any, rng: Any) -> Prompt:
+        ids = self.prompts[int(rng.integers(0, len(self.prompts)))]
+        return Prompt(input_ids=tuple(ids), num_tokens=len(ids))
+
+
+class SGLangServers:
+    """One SGLang server per system (bench/sglang_specserve.py's), all started at once;
+    each sleeps while idle, so the cells replayed on them in turn meet a quiet machine."""
+
+    def __init__(self, args: argparse.Namespace, systems: list[str]) -> None:
+        from sloserve.bench.sglang_specserve import (
+            Server,
+            bench_prompts,
+            sglang_python,
+            system_args,
+        )
+        from sloserve.runtime.models.presets import resolve_pair
+
+        target, draft = resolve_pair(args.model, args.draft_model_path, "model")
+        assert draft is not None
+        ids, _ = bench_prompts(target, args.prompt_tokens, "auto")
+        self.prompts = ChatPrompts(ids)
+        logs = args.out / "server_logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        python = sglang_python()
+        self.servers: dict[str, Any] = {}
+        try:
+            # one at a time: SGLang sizes its KV pool on a CPU from the memory its weights
+            # leave free, which servers loading beside it would take
+            for i, s in enumerate(systems):
+                server = self.servers[s] = Server(
+                    python, system_args(s, target, draft, args.k_max), args.port + i,
+                    logs / f"{s.replace(':', '-')}.log")
+                server.wait()
+                print(f"[{s}] server up at {server.url}", flush=True)
+        except BaseException:
+            self.stop()
+            raise
+
+    def url(self, system: str) -> str:
+        return str(self.servers[system].url)
+
+    def stop(self) -> None:
+        for server in self.servers.values():
+            server.stop()
 
 
 def series(run: PolicyRun) -> list[list[float]]:
@@ -137,6 +229,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.target == "sim" and not args.profile:
         raise SystemExit("--target sim needs --profile")
     sweep = Sweep(args)
+    try:
+        return _run(args, sweep, argv)
+    finally:
+        if sweep.servers is not None:
+            sweep.servers.stop()
+
+
+def _run(args: argparse.Namespace, sweep: Sweep, argv: list[str] | None) -> int:
     mix = parse_mix(args.mix)
     trace = load_trace(args.trace)
     lengths = Scaling(input_scale=args.input_scale, input_max=args.input_max,
@@ -150,16 +250,17 @@ def main(argv: list[str] | None = None) -> int:
                          source=source)
 
     n_runs = 1 + len(args.loads) * len(args.seeds) * len(sweep.policies)
+    ref = sweep.reference
     sweep.log(f"{n_runs} runs of {args.requests} requests ({args.target}); "
-              "the first measures ar's capacity")
-    probe = sweep.replay("ar", args.seeds[0], burst(cell(1.0, args.seeds[0], 1.0)))
+              f"the first measures {ref}'s capacity")
+    probe = sweep.replay(ref, args.seeds[0], burst(cell(1.0, args.seeds[0], 1.0)))
     capacity = run_stats(probe, {}, sweep.slo)["throughput_rps"]
     trace_rate = describe(trace)["rate_rps"] or 0.0
     unit = capacity if args.rate_unit == "ar" else trace_rate
-    unit_text = (f"ar's capacity, {capacity:.3g} req/s (all {args.requests} requests of seed "
-                 f"{args.seeds[0]} at once)" if args.rate_unit == "ar" else
+    unit_text = (f"{ref}'s capacity, {capacity:.3g} req/s (all {args.requests} requests of "
+                 f"seed {args.seeds[0]} at once)" if args.rate_unit == "ar" else
                  f"the trace's mean rate, {trace_rate:.3g} req/s")
-    sweep.log(f"ar sustains {capacity:.3g} req/s; rate unit: {unit_text}")
+    sweep.log(f"{ref} sustains {capacity:.3g} req/s; rate unit: {unit_text}")
     loads_out = []
     done = 1
     for load in args.loads:
@@ -177,11 +278,11 @@ def main(argv: list[str] | None = None) -> int:
                 sweep.log(f"[{done}/{n_runs}] load {load:g}x seed {c.seed} {policy}: goodput "
                           f"{stats['goodput_rps']:.3f} req/s, attainment "
                           f"{100 * stats['attainment']:.1f}%")
-        agg = aggregate(runs, args.default_policy)
+        agg = aggregate(runs, sweep.default)
         paired = {}
         for p in sweep.policies:
-            if p != args.default_policy:  # the default's paired gain over p, per seed
-                inv = aggregate(runs, p)[args.default_policy]["vs_reference"]
+            if p != sweep.default:  # the default's paired gain over p, per seed
+                inv = aggregate(runs, p)[sweep.default]["vs_reference"]
                 paired[p] = inv
         loads_out.append({"load": load, "rate_rps": load * unit,
                           "x_ar_capacity": load * unit / capacity if capacity else None,
@@ -193,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "schema": SCHEMA,
         "meta": {"command": cmd, "created_unix": time.time(), "target": args.target,
-                 "profile": args.profile, "default_policy": args.default_policy,
+                 "profile": args.profile, "default_policy": sweep.default,
                  "workload": f"{args.trace.name}, {args.requests} consecutive requests per "
                              f"cell from a seed-chosen start; lengths: {lengths.describe()}; "
                              f"arrivals: {arrivals}",

@@ -51,6 +51,7 @@ class SGLangHTTPTarget:
         timeout_s: float | None = None,
         max_concurrency: int | None = None,
         path: str = "/generate",
+        send_slos: bool = False,
     ):
         self.base_url = base_url.rstrip("/")
         self.temperature = temperature
@@ -58,6 +59,9 @@ class SGLangHTTPTarget:
         self.timeout_s = timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S
         self.max_concurrency = max_concurrency
         self.path = path
+        # each request's own SLOs in SGLang's spelling, sampling_params.custom_params
+        # {"tpot_slo", "ttft_slo"} in seconds (sloserve/slo.py; plain SGLang ignores them)
+        self.send_slos = send_slos
 
     def spec_stats(self) -> SpecStats | None:
         return None  # the native API does not expose per-run speculation counters
@@ -85,6 +89,11 @@ class SGLangHTTPTarget:
             "ignore_eos": req.ignore_eos,
             **self.sampling_params,
         }
+        if self.send_slos:
+            slos = {k: v for k, v in (("tpot_slo", req.tpot_slo_s), ("ttft_slo", req.ttft_slo_s))
+                    if v is not None}
+            if slos:
+                params["custom_params"] = {**params.get("custom_params", {}), **slos}
         body: dict[str, Any] = {"sampling_params": params, "stream": True, "rid": req.request_id}
         if req.input_ids is not None:
             body["input_ids"] = list(req.input_ids)

@@ -51,6 +51,16 @@ def test_streams_tokens_and_honours_arrivals(fake_sglang):
     assert s.completed == 3 and s.tpot_ms.count == 2
 
 
+def test_request_slos_travel_in_custom_params_when_asked(fake_sglang):
+    requests = [ReplayRequest("a", 0.0, 2, text="x", tpot_slo_s=0.05, ttft_slo_s=2.0),
+                ReplayRequest("b", 0.0, 2, text="y")]
+    records = run(SGLangHTTPTarget(fake_sglang.url, send_slos=True), requests)
+    assert all(r.success for r in records)
+    bodies = {b["rid"]: b["sampling_params"] for _, b in fake_sglang.received}
+    assert bodies["a"]["custom_params"] == {"tpot_slo": 0.05, "ttft_slo": 2.0}
+    assert "custom_params" not in bodies["b"]  # no SLO of its own: nothing sent
+
+
 def test_open_loop_sends_do_not_wait_for_responses(fake_sglang):
     fake_sglang.ttft_s = 0.3
     requests = [ReplayRequest(f"r{i}", 0.02 * i, 2, text="x") for i in range(5)]

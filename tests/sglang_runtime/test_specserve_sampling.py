@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-import pytest
 import numpy as np
+import pytest
 from scipy.stats import chi2_contingency
 
 from tests.sglang_runtime.test_specserve_server import TINY_PROFILE, LaunchedServer, _post

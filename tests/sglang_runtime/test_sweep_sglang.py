@@ -1,0 +1,55 @@
+"""The multi-SLO load sweep against SGLang's own servers (`python -m sloserve.replay.sweep
+--target sglang`, issue #32): one server per system started by `python -m sloserve.launch
+--engine sglang`, identical requests replayed on each, every request's SLO class sent in
+SGLang's custom_params. A small run on the tiny pair: plain SGLang and SPECSERVE with prompt
+lookup, one load, one seed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.sglang_runtime.test_specserve_server import REPO
+
+pytestmark = pytest.mark.timeout(1800)
+
+TRACE = REPO.parent / "shared" / "data" / "traces" / "azure_llm_2023_conv.csv"
+
+
+def test_sweep_replays_the_same_requests_on_every_sglang_server(sglang_python,
+                                                              tiny_sglang_pair, tmp_path):
+    if not TRACE.is_file():
+        pytest.skip(f"needs the Azure trace at {TRACE}")
+    target, draft = tiny_sglang_pair
+    out = tmp_path / "sweep"
+    systems = "plain,sloserve-ngram:specserve-slo:per-request"
+    cmd = [sys.executable, "-m", "sloserve.replay.sweep", "--target", "sglang",
+           "--model", target, "--draft-model-path", draft, "--policies", systems,
+           "--default-policy", "sloserve-ngram:specserve-slo:per-request",
+           "--trace", str(TRACE), "--loads", "1", "--rate-unit", "ar", "--seeds", "0",
+           "--requests", "8", "--output-scale", "0.1", "--output-max", "12",
+           "--tpot-slo-ms", "200", "--ttft-slo-ms", "5000", "--port", "33877",
+           "--out", str(out), "--no-plots"]
+    env = {**os.environ, "SLOSERVE_SGLANG_PYTHON": sglang_python}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "sweep.json").read_text())
+    (cell,) = report["loads"]
+    runs = cell["runs"]
+    assert sorted(r["policy"] for r in runs) == sorted(systems.split(","))
+    for r in runs:
+        st = r["stats"]
+        assert st["failed"] == 0 and st["throughput_rps"] > 0, st  # all served, everywhere
+    assert report["meta"]["default_policy"] == "sloserve-ngram:specserve-slo:per-request"
+    logs = out / "server_logs"
+    assert sorted(p.name for p in logs.glob("*.log")) == sorted(
+        f"{s.replace(':', '-')}.log" for s in systems.split(","))
+    spec = (logs / "sloserve-ngram-specserve-slo-per-request.log").read_text(errors="replace")
+    plain = (logs / "plain.log").read_text(errors="replace")
+    assert "--speculative-algorithm SPECSERVE" in spec
+    assert "--speculative-algorithm" not in plain
