@@ -82,6 +82,11 @@ def sglang_python() -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
+def file_stem(system: str) -> str:
+    """The system's name as a file name (its log, its timings lines)."""
+    return system.replace(":", "-").replace("/", "-")
+
+
 def ours(system: str) -> bool:
     """Whether the system is sloserve's SPECSERVE worker (not SGLang's own)."""
     return system.startswith(("specserve", "sloserve"))
@@ -172,12 +177,12 @@ class Running:
                  port: int, k_max: int | None, timings: bool) -> None:
         self.system = system
         args = system_args(system, target, draft, k_max)
-        self.timings_file = logs / f"{system.replace(':', '-')}.timings.jsonl"
+        self.timings_file = logs / f"{file_stem(system)}.timings.jsonl"
         self.timed = timings and ours(system)
         if self.timed:  # one JSON line per decode step (worker's controller)
             self.timings_file.unlink(missing_ok=True)
             args += ["--spec-timings", str(self.timings_file.resolve())]
-        self.server = Server(python, args, port, logs / f"{system.replace(':', '-')}.log")
+        self.server = Server(python, args, port, logs / f"{file_stem(system)}.log")
 
     def warm(self, prompts: list[list[int]], levels: list[int], new_tokens: int,
              ignore_eos: bool, t0: float) -> None:

@@ -184,6 +184,7 @@ class SGLangServers:
         from sloserve.bench.sglang_specserve import (
             Server,
             bench_prompts,
+            file_stem,
             sglang_python,
             system_args,
         )
@@ -203,7 +204,7 @@ class SGLangServers:
             for i, s in enumerate(systems):
                 server = self.servers[s] = Server(
                     python, system_args(s, target, draft, args.k_max), args.port + i,
-                    logs / f"{s.replace(':', '-')}.log")
+                    logs / f"{file_stem(s)}.log")
                 server.wait()
                 print(f"[{s}] server up at {server.url}", flush=True)
         except BaseException:

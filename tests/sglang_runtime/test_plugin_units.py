@@ -220,6 +220,16 @@ def test_closed_loop_benchmark_runs_each_system_as_named():
     assert per[-4:] == ["--spec-lengths", "per-request", "--spec-options",
                         "uniform_margin=0,prior=0.7"]
     assert {"plain", "standalone:1", "standalone:3", "specserve"} <= set(SYSTEMS)
+    ng = system_args("sloserve-ngram::per-request/no-profile", "T", "D")
+    assert ng[ng.index("--drafter") + 1] == "ngram"
+    assert ng[-2:] == ["--spec-profile", "none"] and "--spec-lengths" in ng
+    model = system_args("sloserve:fixed=3", "T", "D")
+    assert model[model.index("--drafter") + 1] == "model"
+    assert model[model.index("--spec-policy") + 1] == "fixed:3"
+    from sloserve.bench.sglang_specserve import file_stem
+
+    assert file_stem("sloserve-ngram::per-request/no-profile") == \
+        "sloserve-ngram--per-request-no-profile"
 
 
 def test_policy_options_travel_in_the_one_config(monkeypatch):
