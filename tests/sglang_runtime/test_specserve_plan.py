@@ -141,21 +141,7 @@ def test_verify_lengths_differ_and_what_is_cut_is_the_least_likely(planned):
     costs ~3% of a target forward), every trimmed token is at most as likely as every
     kept one in its batch: the lowest-chain-probability tails go."""
     _, steps, _ = planned
-    ragged = trims = 0
-    for s in steps:
-        drafted, verified = np.array(s["drafted"]), np.array(s["verified"])
-        assert np.all(verified <= drafted) and np.all(np.array(s["accepted"]) <= verified)
-        assert drafted.max(initial=0) <= s["rounds"] <= K_MAX
-        ragged += len(set(verified.tolist())) > 1
-        P = [np.array(row[:d], dtype=float) for row, d in zip(s["chain"], drafted)]
-        for p in P:
-            assert np.all(np.diff(p) <= 1e-9)  # chain probabilities fall along a row
-            assert np.all(p[:-1] >= COLLAPSE)  # a row below COLLAPSE drafts no further
-        if (verified < drafted).any():  # the verifier trimmed
-            trims += 1
-            kept = np.concatenate([p[:v] for p, v in zip(P, verified)])
-            trimmed = np.concatenate([p[v:] for p, v in zip(P, verified)])
-            assert kept.size == 0 or trimmed.max() <= kept.min() + 1e-6, s
+    ragged, trims = check_step_log(steps, K_MAX)
     assert ragged >= 5 and trims >= 3, [(s["drafted"], s["verified"]) for s in steps[-10:]]
 
 
@@ -250,3 +236,26 @@ def test_meta_info_and_prometheus_count_the_per_request_lengths(planned):
         assert values[f'sloserve_spec_verified_at_position_total{{position="{j}"}}'] == want
     assert values['sloserve_spec_draft_length_total{k="0"}'] == \
         sum(v == 0 for s in steps for v in s["verified"])
+
+
+def check_step_log(steps: list[dict], k_max: int) -> tuple[int, int]:
+    """Checks every per-request step of a step log (lengths within what was drafted, chain
+    probabilities falling along a row, no row drafting on below COLLAPSE, trimmed tokens at
+    most as likely as every kept one of their step); returns (steps with ragged verify
+    lengths, steps the verifier trimmed)."""
+    ragged = trims = 0
+    for s in steps:
+        drafted, verified = np.array(s["drafted"]), np.array(s["verified"])
+        assert np.all(verified <= drafted) and np.all(np.array(s["accepted"]) <= verified)
+        assert drafted.max(initial=0) <= s["rounds"] <= k_max
+        ragged += len(set(verified.tolist())) > 1
+        P = [np.array(row[:d], dtype=float) for row, d in zip(s["chain"], drafted)]
+        for p in P:
+            assert np.all(np.diff(p) <= 1e-9)  # chain probabilities fall along a row
+            assert np.all(p[:-1] >= COLLAPSE)  # a row below COLLAPSE drafts no further
+        if (verified < drafted).any():  # the verifier trimmed
+            trims += 1
+            kept = np.concatenate([p[:v] for p, v in zip(P, verified)])
+            trimmed = np.concatenate([p[v:] for p, v in zip(P, verified)])
+            assert kept.size == 0 or trimmed.max() <= kept.min() + 1e-6, s
+    return ragged, trims

@@ -30,16 +30,15 @@ import json
 import statistics
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import pytest
 
 from sloserve.replay.specbench import SHARED_PROMPTS, load_spec_bench
+from tests.sglang_runtime.test_specserve_plan import check_step_log
 from tests.sglang_runtime.test_specserve_server import LaunchedServer, _post
 
 pytestmark = pytest.mark.timeout(2400)
 
 K_MAX = 4
-COLLAPSE = 0.05  # policies/specserve/options.py: a chain below it leaves the draft batch
 NEW = 64
 CATEGORIES = ("extraction", "translation", "summarization", "stem", "roleplay",
               "writing")  # both ends of prompt lookup's acceptance (BENCHMARKS.md, #31)
@@ -141,19 +140,5 @@ def test_likelier_categories_verify_longer_chains_in_the_same_step(planned):
 
 def test_what_is_trimmed_is_the_least_likely(planned):
     steps, _ = planned
-    ragged = trims = 0
-    for s in steps:
-        drafted, verified = np.array(s["drafted"]), np.array(s["verified"])
-        assert np.all(verified <= drafted) and np.all(np.array(s["accepted"]) <= verified)
-        assert drafted.max(initial=0) <= s["rounds"] <= K_MAX
-        ragged += len(set(verified.tolist())) > 1
-        P = [np.array(row[:d], dtype=float) for row, d in zip(s["chain"], drafted)]
-        for p in P:
-            assert np.all(np.diff(p) <= 1e-9)  # chain probabilities fall along a row
-            assert np.all(p[:-1] >= COLLAPSE)  # a row below COLLAPSE drafts no further
-        if (verified < drafted).any():
-            trims += 1
-            kept = np.concatenate([p[:v] for p, v in zip(P, verified)])
-            trimmed = np.concatenate([p[v:] for p, v in zip(P, verified)])
-            assert kept.size == 0 or trimmed.max() <= kept.min() + 1e-6, s
+    ragged, trims = check_step_log(steps, K_MAX)
     assert ragged >= 10 and trims >= 3, [(s["drafted"], s["verified"]) for s in steps[-10:]]
