@@ -9,7 +9,11 @@ extend and verify seconds with its batch size and context: controller.py), drive
 several concurrency levels with random-token prompts, then fits the cost model of
 docs/design.md sec. 2 to what SGLang's forwards took:
 
-    target  T(n_ctx, n_q) from the verify forwards: n_q = B (k + 1), n_ctx = context + n_q
+    target  T(n_ctx, n_q) from the verify forwards: n_q = B (k + 1), n_ctx = context + n_q,
+            fitted on the steps that drafted (SGLang's verify path, an extend over the
+            draft tree); the plain steps run the decode path (worker.py), which costs less
+            by a fixed amount: `verify_fixed`, the plain steps' median shortfall from the
+            fit, taken out of c (so c prices a decode forward, c + verify_fixed a verify)
     draft   from the draft forwards (k forwards of B tokens each, their mean context) and
             the draft extend (one forward over B (k + 1) tokens)
     overhead  the plain steps' seconds outside the verify forward (they run no draft
@@ -38,6 +42,7 @@ import time
 import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -61,11 +66,13 @@ WARMUP_REQUESTS = 2
 def fit_rows(rows: Sequence[dict], target_path: str, draft_path: str, device: str,
              dtype: str, levels: Sequence[int]) -> Profile:
     """The profile of timing rows (one per decode step, controller.py's JSON lines)."""
-    target, draft, plain_rest, rest = [], [], [], []
+    target: list[tuple[float, float, float]] = []  # verify forwards of drafting steps
+    plain: list[tuple[float, float, float]] = []  # decode forwards of plain steps
+    draft, plain_rest, rest = [], [], []
     for r in rows:
         B, k, ctx = r["batch"], r["k"], r["context"]
         q = B * (k + 1)
-        target.append((ctx + q, q, r["verify"]))
+        (target if k else plain).append((ctx + q, q, r["verify"]))
         if k:  # (a step that drafts nothing skips the draft's read of its window)
             draft.append((ctx + q, q, r["extend"]))  # the draft reading the verified window
             # its rounds, not the catch-up on the skipped steps before them (draft_chain.py)
@@ -74,13 +81,20 @@ def fit_rows(rows: Sequence[dict], target_path: str, draft_path: str, device: st
             rest.append(r["step"] - r["draft"] - r["extend"] - r["verify"])
         else:
             plain_rest.append(r["step"] - r["verify"])
-    t_fit, d_fit = fit_forward_cost(target), fit_forward_cost(draft)
+    t_fit, d_fit = fit_forward_cost(target or plain), fit_forward_cost(draft)
+    t_cost, verify_fixed = t_fit.cost, 0.0
+    if target and plain:
+        verify_fixed = max(0.0, -statistics.median(
+            y - t_cost.time(n_ctx, n_q) for n_ctx, n_q, y in plain))
+        verify_fixed = min(verify_fixed, t_cost.c)
+        t_cost = replace(t_cost, c=t_cost.c - verify_fixed)
     calibration = calibration_counts(rows)
     overhead = statistics.median(plain_rest or rest)
     return Profile(
-        target=ModelProfile(target_path, fingerprint(target_path), t_fit.cost, t_fit.stats),
+        target=ModelProfile(target_path, fingerprint(target_path), t_cost, t_fit.stats),
         draft=ModelProfile(draft_path, fingerprint(draft_path), d_fit.cost, d_fit.stats),
         device=settings.sglang_device_key(device), dtype=dtype, overhead=max(0.0, overhead),
+        verify_fixed=verify_fixed,
         grid={"concurrency": list(levels), "steps": [len(rows)]}, mode="sglang-sweep",
         calibration=calibration,
     )

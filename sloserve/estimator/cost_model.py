@@ -51,6 +51,19 @@ class CostModel:
     target: ForwardCost
     draft: ForwardCost
     overhead: float = 0.0  # seconds per step outside the forwards (scheduling, sampling)
+    # seconds a target forward that verifies any draft token pays over a plain decode
+    # forward of the same tokens: the runtime's verify path (SGLang: an extend over a tree
+    # mask and the verify bookkeeping, ~14 ms at batch 1 on the 2-core CPU, where its decode
+    # forward is 60 ms) against its decode path. 0: one path for both (the built-in engine)
+    verify_fixed: float = 0.0
+    # the price of a verified draft token is target.b times this (the online correction's
+    # own scale for verified tokens over its plain forward's, estimator/online_cost.py)
+    token_scale: float = 1.0
+
+    def without_draft(self) -> CostModel:
+        """The same costs with a drafter that runs no forward (the n-gram drafter)."""
+        return CostModel(self.target, ForwardCost.free(), self.overhead, self.verify_fixed,
+                         self.token_scale)
 
 
 class ModelShape(Protocol):

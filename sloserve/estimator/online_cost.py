@@ -19,6 +19,22 @@ detokenizing, ~1.4 ms a step at batch 32 on the built-in CPU pair), so that work
 raise the price of a verified token; otherwise theta_target is fitted on the step's seconds
 outside drafting.
 
+Where the profile has a verify path cost (`verify_fixed`, CostModel: SGLang's verify forward
+over its decode forward), the target forward measured apart is fitted as
+
+    measured target = theta_target * profiled plain forward
+                      + theta_verify * profiled verified-token seconds
+                      + v * [the step verified drafts]
+
+three features, each with its prior (1, 1, the profile's verify_fixed). A verify forward is
+another path than a decode forward, and on SGLang's CPU runtime its price per verified token
+moves with the batch in a way the profile's one b cannot follow (~6 ms a token at batch 1,
+~1.5 ms at 16, against a fitted 2 ms): one scale for all put the price of verifying wherever
+the mix of plain and verify steps put it, so the plan verified long chains at batch 1 that
+cost three times their price. Fitted on the steps the batch runs now (the forgetting window),
+the three follow the operating point. Without a profiled verify_fixed the fit is the
+one-scale fit below.
+
 Each is an exponentially weighted least-squares fit (forgetting factor `forget`: an
 effective window of 1 / (1 - forget) steps; every step fades every sum) with a prior at 1,
 scaled to the features' typical magnitudes: `prior_weight` pseudo-steps that fade like the
@@ -34,10 +50,12 @@ preempted step must not swing the fit), and every scale stays in
 
 from __future__ import annotations
 
+import numpy as np
+
 
 class StepCostCorrection:
     def __init__(self, forget: float = 0.98, prior_weight: float = 8.0, ridge: float = 0.25,
-                 clip: float = 2.0, max_scale: float = 2.0) -> None:
+                 clip: float = 2.0, max_scale: float = 2.0, verify_fixed: float = 0.0) -> None:
         if not 0.0 < forget <= 1.0:
             raise ValueError(f"forget must be in (0, 1], got {forget}")
         self.forget = forget
@@ -46,6 +64,15 @@ class StepCostCorrection:
         self.clip = clip
         self.max_scale = max_scale
         self.theta_target = self.theta_draft = 1.0
+        # the verify path's seconds over a decode forward: the profile's (the prior), then v;
+        # the scale of the verified tokens' seconds; the three-feature fit's sums (features
+        # x = (plain, tokens, verified), weighted x x^T [3, 3] and x y [3]) and the tokens
+        # feature's typical square over the steps that verified
+        self.verify_fixed_prior = self.verify_fixed = verify_fixed
+        self.theta_verify = 1.0  # theta_target's value where the fit has one scale
+        self.sxx3 = np.zeros((3, 3))
+        self.sxy3 = np.zeros(3)
+        self.tok2 = 0.0
         # draft fit: exponentially weighted sums of d = profiled and m = measured draft
         # seconds, and d's typical square over the steps that drafted (it does not fade
         # while speculation is off, so the prior takes over again)
@@ -70,24 +97,38 @@ class StepCostCorrection:
 
     def observe(self, target: float, draft: float, measured: float,
                 measured_draft: float | None = None, measured_target: float | None = None,
-                overhead: float = 0.0) -> None:
+                overhead: float = 0.0, verify_part: float | None = None) -> None:
         """One step: its profiled target seconds (the target forward, or without
         `measured_target` the whole step outside drafting, overhead included), its profiled
         draft seconds, its measured seconds and the measured seconds of its drafting (None:
         not measured, taken at the current scale). measured_target: the measured seconds of
         its target forward; `overhead`, the profiled seconds outside the forwards, is then
-        the prior of `self.overhead`."""
+        the prior of `self.overhead`. verify_part: the profiled seconds of the verified
+        draft tokens within `target` (None: the step verified none; its target forward took
+        the decode path); `target` leaves the profile's verify_fixed out."""
         if target <= 0.0 or measured <= 0.0 or draft < 0.0:
             return
         w, m_draft = self._observe_draft(draft, measured_draft)
         f = self.forget
         if measured_target is not None and measured_target > 0.0:
-            y = self._clipped(measured_target, self.theta_target * target)
+            three = self.verify_fixed_prior > 0.0
+            tokens = (verify_part or 0.0) if three else 0.0
+            x = np.array([target - tokens, tokens, 1.0 if verify_part is not None else 0.0])
+            if three:
+                predicted = (self.theta_target * x[0] + self.theta_verify * x[1]
+                             + self.verify_fixed * x[2])
+            else:
+                predicted = self.theta_target * target
+            y = self._clipped(measured_target, predicted)
             self.stt = f * self.stt + target * target
             self.stm = f * self.stm + target * y
             self.n_target = f * self.n_target + 1.0
             lam = w * self.stt / self.n_target
-            self.theta_target = self._bound((self.stm + lam) / (self.stt + lam))
+            if three:
+                self._fit_three(f, x, y, lam, w)
+            else:  # one scale: verified tokens' too
+                self.theta_target = self.theta_verify = self._bound(
+                    (self.stm + lam) / (self.stt + lam))
             # the rest: an exponentially weighted mean with the same fading prior as the
             # scales (the profile's overhead until measured steps outweigh it)
             self.srest = f * self.srest + max(0.0, measured - m_draft - measured_target)
@@ -98,7 +139,30 @@ class StepCostCorrection:
         self.sxy = f * self.sxy + target * y
         self.n_step = f * self.n_step + 1.0
         lam = w * self.sxx / self.n_step
-        self.theta_target = self._bound((self.sxy + lam) / (self.sxx + lam))
+        self.theta_target = self.theta_verify = self._bound((self.sxy + lam) / (self.sxx + lam))
+
+    def _fit_three(self, f: float, x: np.ndarray, y: float, lam: float, w: float) -> None:
+        """theta_target, theta_verify and v from the 3 x 3 normal equations of y = x .
+        (theta_target, theta_verify, v), priors (1, 1, the profile's verify_fixed) weighted
+        like the one-scale fit's: lam, w times the tokens feature's typical square, w."""
+        self.sxx3 *= f
+        self.sxx3 += np.outer(x, x)
+        self.sxy3 *= f
+        self.sxy3 += x * y
+        if x[1] > 0.0:
+            self.tok2 = self._typical(self.tok2, x[1] * x[1])
+        v0 = self.verify_fixed_prior
+        prior_w = np.array([lam, w * self.tok2 if self.tok2 > 0.0 else lam, w])
+        A = self.sxx3 + np.diag(prior_w)
+        b = self.sxy3 + prior_w * np.array([1.0, 1.0, v0])
+        try:
+            theta = np.linalg.solve(A, b)
+        except np.linalg.LinAlgError:
+            return
+        self.theta_target = self._bound(float(theta[0]))
+        # (a wider bound: the profile's one b is furthest off here, 3x at batch 1)
+        self.theta_verify = min(max(float(theta[1]), self.max_scale ** -2), self.max_scale ** 2)
+        self.verify_fixed = min(max(float(theta[2]), 0.0), self.max_scale * v0)
 
     def _observe_draft(self, draft: float, measured_draft: float | None) -> tuple[float, float]:
         """Fade every sum by one step and fit theta_draft on this step's drafting. Returns

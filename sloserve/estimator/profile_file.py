@@ -19,6 +19,8 @@ Schema (version 1):
                 "fit": {"r2": ..., "mape": ..., "max_ape": ..., "n_samples": ...}},
      "draft": {same as target},
      "overhead": seconds per step outside the forwards,
+     "verify_fixed": seconds a target forward verifying draft tokens pays over a plain
+                     decode forward (its verify path; optional, 0 if absent),
      "calibration": [[rejected per bin], [accepted per bin]] (optional): draft confidence ->
                     conditional acceptance outcomes of the pair, 16 equal confidence bins,
      "grid": {"batch_sizes": [...], "context_lens": [...], "query_lens": [...]}}
@@ -81,6 +83,7 @@ class Profile:
     device: str
     dtype: str
     overhead: float = 0.0
+    verify_fixed: float = 0.0  # CostModel.verify_fixed
     grid: dict[str, list[int]] = field(default_factory=dict)
     mode: str = "full"
     calibration: tuple[tuple[float, ...], ...] | None = None  # [2, n_bins] counts
@@ -90,7 +93,8 @@ class Profile:
     )
 
     def cost_model(self) -> CostModel:
-        return CostModel(target=self.target.cost, draft=self.draft.cost, overhead=self.overhead)
+        return CostModel(target=self.target.cost, draft=self.draft.cost, overhead=self.overhead,
+                         verify_fixed=self.verify_fixed)
 
 
 def profile_filename(target_key: str, draft_key: str, device: str, dtype: str) -> str:
@@ -125,6 +129,7 @@ def to_json(profile: Profile) -> dict:
         "target": _model_json(profile.target),
         "draft": _model_json(profile.draft),
         "overhead": profile.overhead,
+        **({"verify_fixed": profile.verify_fixed} if profile.verify_fixed else {}),
         "grid": profile.grid,
         **({"calibration": [list(row) for row in profile.calibration]}
            if profile.calibration is not None else {}),
@@ -146,6 +151,7 @@ def from_json(d: dict) -> Profile:
             device=d["device"],
             dtype=d["dtype"],
             overhead=float(d.get("overhead", 0.0)),
+            verify_fixed=float(d.get("verify_fixed", 0.0)),
             grid=dict(d.get("grid", {})),
             mode=d.get("mode", "full"),
             calibration=(tuple(tuple(float(x) for x in row) for row in d["calibration"])

@@ -7,7 +7,12 @@ k_r <= s_r of draft tokens it sends to verification. One step then costs
                                          B_j + [j == 1] * sum_{r: s_r > 0} lag_r)
     T_verify = T_fwd(target; sum_r n_r + prefill_context,
                              sum_r (k_r + 1) + prefill_tokens)
+               + verify_fixed * [sum_r k_r > 0]
     T_step   = T_draft + T_verify + overhead
+
+verify_fixed (CostModel) is what the target's verify path costs over its decode path: a
+step that verifies no draft token runs the decode forward, one that verifies any pays it
+once, whoever verifies.
 
 T_fwd has the knee of cost_model.py: b is paid only for query tokens past q0 in each forward.
 
@@ -93,14 +98,22 @@ class StepTimer:
             self.plain += cost.draft.time(step.prefill_context, step.prefill_tokens)
             decode_only = verify_time(cost.target, float(self.n.sum()), float(self.batch_size))
             self.prefill = max(0.0, self.plain - decode_only - cost.overhead)
-        self.token_time = cost.target.b  # verify seconds per extra draft token past the knee
+        # verify seconds per extra draft token past the knee
+        self.token_time = cost.target.b * cost.token_scale
+        # seconds the first verified draft token adds on top of token_time (the verify path)
+        self.verify_fixed = cost.verify_fixed
         # draft tokens the verify forward takes in before they cost token_time each
         self.free_verify = max(0.0, cost.target.q0 - self.verify_q0)
 
     def verify_extra(self, k_total):
         """Seconds that verifying k_total draft tokens adds to plain decoding (scalar or
-        array): token_time for each token past the target's knee."""
-        return self.token_time * np.maximum(np.asarray(k_total, dtype=np.float64) - self.free_verify, 0.0)
+        array): token_time for each token past the target's knee, and verify_fixed once
+        for any."""
+        k = np.asarray(k_total, dtype=np.float64)
+        extra = self.token_time * np.maximum(k - self.free_verify, 0.0)
+        if self.verify_fixed:
+            extra = extra + np.where(k > 0.0, self.verify_fixed, 0.0)
+        return extra
 
     def paid_verify(self, k_total: float) -> float:
         """How many of k_total verified draft tokens lie past the target's knee."""
@@ -132,7 +145,7 @@ class StepTimer:
         """[k_max + 1] T_step when every request drafts and verifies k = 0..k_max tokens.
 
         With S_n = sum_r n_r, S_lag = sum_r lag_r and paid_d(q) = max(0, q - q0_draft):
-        T(k) = plain + verify_extra(k B) + k c_d + a_d (k S_n + k (k - 1) B / 2 - S_lag)
+        T(k) = plain + verify_extra(k B) (verify_fixed included) + k c_d + a_d (k S_n + k (k - 1) B / 2 - S_lag)
         + b_d (paid_d(B + S_lag) + (k - 1) paid_d(B)) for k >= 1.
         """
         d = self.cost.draft

@@ -103,10 +103,12 @@ def fit_forward_cost(
 
 def _knee_candidates(n_q: np.ndarray) -> np.ndarray:
     """Sampled query-token counts and the midpoints between them, leaving at least three
-    distinct counts past the knee so b stays determined."""
+    distinct counts past the knee so b stays determined, and none at or below the smallest
+    count: such a knee fits exactly as well as none (c absorbs b q0), so rounding alone
+    would pick it, and a forward over fewer query tokens than sampled would be mispriced."""
     values = np.unique(n_q)
     if values.size < 4:
         return np.zeros(0)
     mids = (values[:-1] + values[1:]) / 2.0
     cands = np.unique(np.concatenate([values, mids]))
-    return cands[cands < values[-3]]
+    return cands[(cands > values[0]) & (cands < values[-3])]

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from sloserve.estimator.cost_model import CostModel, ForwardCost, rough_cost
+from sloserve.estimator.cost_model import CostModel, rough_cost
 from sloserve.runtime.attention import make_backend
 from sloserve.runtime.config import EngineConfig
 from sloserve.runtime.cpu_kernels import cpu_ops
@@ -72,7 +72,7 @@ def _load_cost(cfg: EngineConfig, target: ModelRunner, draft: ModelRunner | None
                     "(run `python -m sloserve.profiler` for an accurate one)")
         cost = rough_cost(target.cfg, draft.cfg if draft else None)
     if draft is None:
-        cost = CostModel(cost.target, ForwardCost.free(), cost.overhead)
+        cost = cost.without_draft()
     return cost, calibration
 
 

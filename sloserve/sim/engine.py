@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sloserve.estimator.cost_model import CostModel, ForwardCost
+from sloserve.estimator.cost_model import CostModel
 from sloserve.policies.registry import make_policy
 from sloserve.runtime.config import EngineConfig
 from sloserve.runtime.request import InvalidRequest, Request, SamplingParams
@@ -76,7 +76,7 @@ class Simulator:
     def __init__(self, cfg: EngineConfig, cost: CostModel, acceptance: AcceptanceModel | None = None,
                  *, seed: int = 0, max_context: int | None = None):
         if cfg.drafter != "model":  # no draft forwards: the profile's draft cost is moot
-            cost = CostModel(cost.target, ForwardCost.free(), cost.overhead)
+            cost = cost.without_draft()
         self.cfg = cfg
         self.cost = cost
         self.acceptance = acceptance or builtin_pair_model()

@@ -8,7 +8,7 @@ rollback, counters). Only two things differ: the step's duration is priced,
 
     T_step = T_draft (sum of the draft forwards the rounds made) + T_draft_prefill
            + T_fwd(target; N_ctx = sum_seg (start + q_len), N_q = sum_seg q_len)
-           + cost.overhead
+           + cost.verify_fixed * [any draft token verified] + cost.overhead
 
 with one segment per prefill chunk (q_len = chunk) and per decode (q_len = 1 + k_r), and
 the tokens are dummies whose acceptance was drawn when the request arrived. Every commit
@@ -115,6 +115,8 @@ class SimStepRunner:
         n_q += len(decodes) + k_sum
         draft_time = self.drafter.time if draft is not None and self.drafter else 0.0
         verify_time = self.cost.target.time(n_ctx, n_q)
+        if k_sum:
+            verify_time += self.cost.verify_fixed
         dt = draft_prefill + draft_time + verify_time + self.cost.overhead
         end = now + dt
         for i in advance_prefills(prefills):

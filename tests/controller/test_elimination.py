@@ -103,3 +103,25 @@ def test_nothing_drafted_is_a_no_op():
         slo=np.inf,
     )
     np.testing.assert_array_equal(k, [0, 0, 0])
+
+
+def test_verify_path_cost_drops_every_draft_when_plain_decoding_rates_higher():
+    """With `fixed` (CostModel.verify_fixed) removing the last verified token saves it too:
+    one middling draft is kept without it and dropped with it, a likely chain is kept."""
+    from sloserve.verifier.elimination import eliminate
+
+    token_time, plain = 0.002, 0.06
+    P = np.array([[0.3], [np.inf]])
+    drafted = np.array([1, 0])
+    tokens = 2.0 + 0.3
+    common = dict(tokens=tokens, token_time=token_time, slo=float("inf"))
+    kept = eliminate(P, drafted, step_time=plain + token_time, **common)
+    assert kept.tolist() == [1, 0]  # 0.3 tokens for 2 ms: worth it
+    dropped = eliminate(P, drafted, step_time=plain + token_time + 0.02, fixed=0.02, **common)
+    assert dropped.tolist() == [0, 0]  # 0.3 tokens for 22 ms at E = 2 / 60 ms: not
+    P = np.array([[0.9, 0.8, 0.7], [0.5, np.inf, np.inf]])
+    drafted = np.array([3, 1])
+    tokens = 2.0 + 0.9 + 0.8 + 0.7 + 0.5
+    keep = eliminate(P, drafted, tokens=tokens, token_time=token_time, slo=float("inf"),
+                     step_time=plain + 4 * token_time + 0.02, fixed=0.02)
+    assert keep.tolist() == [3, 1]

@@ -231,3 +231,28 @@ def test_the_drafter_prices_the_measured_overhead_outside_verify_tokens():
     assert prices[True].target.b == pytest.approx(COST.target.b, rel=0.02)
     assert prices[True].overhead == pytest.approx(0.005, rel=0.05)
     assert prices[False].target.b > 1.05 * COST.target.b
+
+
+def test_correction_learns_the_verify_path_apart_from_the_scale():
+    """A profiled verify_fixed of 10 ms where the verify path really costs 18 ms, the plain
+    forward runs at 0.8x the profile and verified tokens at 3x theirs (SGLang's CPU verify
+    at batch 1): the three-feature fit finds all three (one scale could not). Like the
+    scales, v stays within max_scale of the profile's."""
+    rng = np.random.default_rng(1)
+    c = StepCostCorrection(verify_fixed=0.01)
+    for _ in range(400):
+        plain = rng.uniform(0.05, 0.2)
+        k = int(rng.integers(0, 8)) if rng.random() < 0.6 else 0
+        tokens = 0.002 * k
+        measured_target = 0.8 * plain + 3.0 * tokens + (0.018 if k else 0.0)
+        c.observe(plain + tokens, 0.0, measured_target + 0.001, measured_draft=None,
+                  measured_target=measured_target, verify_part=tokens if k else None)
+    assert c.theta_target == pytest.approx(0.8, rel=0.03)
+    assert c.theta_verify == pytest.approx(3.0, rel=0.05)
+    assert c.verify_fixed == pytest.approx(0.018, rel=0.1)
+    plain_only = StepCostCorrection(verify_fixed=0.01)  # no verify step: v stays the prior
+    for _ in range(100):
+        plain_only.observe(0.1, 0.0, 0.09, measured_target=0.09)
+    assert plain_only.verify_fixed == pytest.approx(0.01)
+    assert plain_only.theta_verify == pytest.approx(1.0)
+    assert plain_only.theta_target == pytest.approx(0.9, rel=0.02)

@@ -69,7 +69,12 @@ def _run(policy: SpecServePolicy, step: StepInfo, conf: np.ndarray, rng_seed: in
     return [r.tolist() for r in rounds], np.asarray(k).tolist(), totals, type(plan)
 
 
-@pytest.mark.parametrize("cost", [KNEE, cpu_cost_model()], ids=["knee", "linear"])
+# SGLang's CPU shape: the verify forward's path costs ~25% of a decode forward over it
+VERIFY_PATH = dataclasses.replace(cpu_cost_model(), verify_fixed=7e-3)
+
+
+@pytest.mark.parametrize("cost", [KNEE, cpu_cost_model(), VERIFY_PATH],
+                         ids=["knee", "linear", "verify-path"])
 @pytest.mark.parametrize("options", [{}, {"uniform_margin": 0.0},
                                      {"score_prefill": True, "start_margin": 0.05}])
 def test_small_batch_path_decides_as_the_numpy_path(cost, options):

@@ -110,3 +110,28 @@ def test_cpu_cost_model_shape():
     t32 = StepTimer(cost, make_step(32)).uniform(7)
     assert t1[7] / t1[0] < 2.5
     assert t32[7] / t32[0] > 3.0
+
+
+def test_verify_path_fixed_cost_is_paid_once_by_any_verified_token():
+    """CostModel.verify_fixed: a step verifying no draft token runs the decode forward; one
+    verifying any pays the verify path once, whoever verifies (sim, timer, uniform agree)."""
+    import dataclasses
+
+    from sloserve.bench.synthetic import cpu_cost_model, make_step
+    from sloserve.estimator.step_time import StepTimer
+
+    base = cpu_cost_model()
+    cost = dataclasses.replace(base, verify_fixed=0.01)
+    step = make_step(4, context=300, k_max=4)
+    t0, t1 = StepTimer(base, step), StepTimer(cost, step)
+    none = np.zeros(4, dtype=np.int64)
+    one = np.array([0, 1, 0, 0])
+    two = np.array([1, 1, 0, 0])
+    assert t1.plan(none, none) == pytest.approx(t0.plan(none, none))
+    assert t1.plan(one, one) == pytest.approx(t0.plan(one, one) + 0.01)
+    assert t1.plan(two, two) == pytest.approx(t0.plan(two, two) + 0.01)
+    u0, u1 = t0.uniform(4), t1.uniform(4)
+    assert u1[0] == pytest.approx(u0[0])
+    assert np.allclose(u1[1:] - u0[1:], 0.01)
+    assert np.allclose(t1.verify_extra(np.array([0.0, 3.0])) - t0.verify_extra(np.array([0.0, 3.0])),
+                       [0.0, 0.01])

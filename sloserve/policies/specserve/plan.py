@@ -96,6 +96,7 @@ class SpecServePlan(SpecPlan):
         # seconds of the step outside its scored E (its prefill chunks, unless score_prefill)
         self.unscored = 0.0 if opts.score_prefill else self.timer.prefill
         self.P = np.full((k_max, B), np.inf)
+        self.P_told: np.ndarray | None = None  # [B, s] P of a chain told at once
         self.ones = inputs.ones  # x.dot(ones) sums x faster than x.sum()
         self.counts = inputs.counts
         self.k_total = 0
@@ -133,9 +134,11 @@ class SpecServePlan(SpecPlan):
                 token_time=self.timer.token_time, slo=self.slo,
                 paid_tokens=self.timer.paid_verify(float(n)), n_drafted=n,
                 unscored_time=self.unscored, margin=opts.uniform_margin,
+                fixed=self.timer.verify_fixed,
             )
         # a caller that drafted without telling the plan: P from the real confidences
         P = chain_probs(self.inputs.g(confidences))  # [B, s]
+        self.P_told = P  # (the step log's chain probabilities of such a step)
         return eliminate_plan(self.timer, P, drafted, self.slo, self.unscored,
                               opts.uniform_margin)
 
@@ -256,14 +259,17 @@ class SpecServePlan(SpecPlan):
     def _prefix_times(self, j: int, order: np.ndarray) -> np.ndarray:
         """[B] exact step time of the plan plus draft position j + 1 for the first i + 1
         requests of `order`: one more draft forward (its knee priced on the prefix's query
-        tokens) and i + 1 more verified tokens (past the target's knee)."""
+        tokens) and i + 1 more verified tokens (past the target's knee; the first verified
+        token of the step also pays the verify path's fixed cost)."""
         d = self.cost.draft
+        # the forward's fixed cost, and the verify path's when nothing is verified yet
+        fixed = d.c + (self.timer.verify_fixed if self.k_total == 0 else 0.0)
         if self.linear:  # no knee: the per-request linear costs add up exactly
             time = self.costs[j].take(order)
-            time[0] += self.time + d.c
+            time[0] += self.time + fixed
             return _accumulate(time, out=time)
         time = self.ctx_costs[j].take(order)  # [B] attention reads of the draft forward
-        time[0] += self.time + d.c
+        time[0] += self.time + fixed
         _accumulate(time, out=time)
         if j == 0 and self.timer.has_lag:  # the first forward also feeds the lag tokens
             q = _accumulate(self.first_q.take(order))

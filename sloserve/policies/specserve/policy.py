@@ -56,7 +56,8 @@ class SpecServePolicy(SpecPolicy):
         self.g = calibrator or ConfidenceCalibrator()
         self.history = RequestTable()
         self.prior = opts.prior
-        self.correction = StepCostCorrection() if opts.correct_cost else None
+        self.correction = (StepCostCorrection(verify_fixed=cost.verify_fixed)
+                           if opts.correct_cost else None)
         self.prices = Prices(cost)
         self.guard = OverrunGuard(opts.overrun_window, opts.initial_overrun)
         self._outcomes: list[tuple] = []  # verify outcomes not counted into g yet
@@ -123,17 +124,20 @@ class SpecServePolicy(SpecPolicy):
         if corr is None:
             return prices
         overhead = corr.overhead
+        seen = (overhead, corr.verify_fixed, corr.theta_verify)
         if (corr.theta_target, corr.theta_draft) != (prices.theta_target, prices.theta_draft) \
-                or overhead != self._overhead_seen:
+                or seen != self._seen:
             c = self.profile_cost
             t = corr.theta_target
             cost = CostModel(c.target.scaled(t), c.draft.scaled(corr.theta_draft),
-                             c.overhead * t if overhead is None else overhead)
+                             c.overhead * t if overhead is None else overhead,
+                             corr.verify_fixed, c.token_scale * corr.theta_verify / t)
             self.prices = prices = Prices(cost, t, corr.theta_draft)
-            self._overhead_seen = overhead
+            self._seen = seen
         return prices
 
-    _overhead_seen: float | None = None
+    # the overhead, verify_fixed and theta_verify the prices were made with
+    _seen: tuple[float | None, float, float] = (None, 0.0, 1.0)
 
     def _predicted(self, plan: SpecServePlan, outcome: VerifyOutcome) -> tuple[float, float | None]:
         """The step time the prices predicted for what ran, and its drafting seconds when
@@ -145,11 +149,12 @@ class SpecServePolicy(SpecPolicy):
         if n_drafted == plan.k_total:
             # the caller drafted exactly the plan (it can only draft a subset of it): its
             # time is known, less the verify tokens that elimination removed
-            tt = timer.token_time  # (verify_extra on Python floats)
-            planned_verify = tt * timer.paid_verify(n_drafted)
+            tt, vf = timer.token_time, timer.verify_fixed  # (verify_extra on Python floats)
+            planned_verify = tt * timer.paid_verify(n_drafted) + vf
             drafting = plan.time - timer.plain - planned_verify
-            predicted = plan.time - planned_verify + tt * timer.paid_verify(
-                int(outcome.verified.sum()))
+            n_verified = int(outcome.verified.sum())
+            predicted = plan.time - planned_verify + (
+                tt * timer.paid_verify(n_verified) + vf if n_verified else 0.0)
             return predicted, drafting
         return timer.plan(outcome.drafted, outcome.verified), None
 
@@ -165,10 +170,14 @@ class SpecServePolicy(SpecPolicy):
         verify = max(0.0, predicted - timer.plain - drafting) / prices.theta_target
         if outcome.verify_time is not None:  # the target forward measured apart
             c = self.profile_cost
+            n_verified = float(outcome.verified.sum())
+            if c.verify_fixed:  # the fit's features: the verified tokens' profiled seconds
+                verify = c.target.b * c.token_scale * timer.paid_verify(n_verified)
             self.correction.observe(
                 c.target.time(timer.verify_ctx, timer.verify_q0) + verify,
                 drafting / prices.theta_draft, outcome.step_time, outcome.draft_time,
-                measured_target=outcome.verify_time, overhead=c.overhead)
+                measured_target=outcome.verify_time, overhead=c.overhead,
+                verify_part=verify if n_verified else None)
         else:
             self.correction.observe(timer.plain / prices.theta_target + verify,
                                     drafting / prices.theta_draft, outcome.step_time,
