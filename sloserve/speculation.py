@@ -178,6 +178,7 @@ class SpecSession:
         self.verified: np.ndarray | None = None  # [B] k_r once chosen
         self.uniform: int | None = None  # the batch's one length, for a uniform step
         self.chain_known = False  # a uniform step whose caller told its confidences
+        self.lengths_fixed = False  # verified was decided before drafting (cut_rounds)
         self.outcome: VerifyOutcome | None = None
 
     # ----- per-request steps: the plan steers every round
@@ -211,6 +212,8 @@ class SpecSession:
     def verify_lengths(self) -> np.ndarray:
         """[B] int64 k_r, 0 <= k_r <= s_r: the plan's verify lengths (whatever it returned,
         clipped); the uniform length for a uniform step whose confidences are unknown."""
+        if self.lengths_fixed and self.verified is not None:
+            return self.verified
         if (self.uniform is not None and not self.chain_known) or not self.longest:
             self.verified = self.drafted.copy()
             return self.verified
@@ -256,6 +259,25 @@ class SpecSession:
         self.confidences[:, :self.uniform] = np.where(proposed > 0, conf, np.nan)
         self.drafted = proposed.sum(axis=1).astype(np.int64)
         self.chain_known = self.uniform > 0
+
+    def looked_up(self, confidences: np.ndarray) -> int:
+        """A drafter without a forward (prompt lookup) proposed the whole chain before the
+        step runs: confidences [B, s] (NaN from where a request had no proposal). Drafting
+        it cost nothing, so there is nothing for the plan's rounds to decide: its verifier
+        picks each request's k_r from the real confidences at once, and the step becomes a
+        uniform one of max_r k_r rounds (0: plain decoding, no verify at all), verifying
+        k_r of them. Returns those rounds."""
+        conf = np.asarray(confidences, dtype=np.float64)
+        self.fix_rounds(conf.shape[1])
+        self.chain_drafted(conf)
+        k = self.verify_lengths()
+        rounds = int(k.max()) if k.size else 0
+        self.uniform = self.rounds = rounds
+        self.drafted = np.minimum(self.drafted, rounds)
+        self.confidences[:, rounds:] = np.nan
+        self.chain_known = rounds > 0
+        self.lengths_fixed = True
+        return rounds
 
     # ----- the end of the step
     def finish(self, accepted: np.ndarray | Sequence[int], step_time: float,

@@ -111,8 +111,9 @@ def system_args(system: str, target: str, draft: str, k_max: int | None = None) 
         out += ["--drafter", "ngram" if name == "sloserve-ngram" else "model"]
         if policy:
             out += ["--spec-policy", policy.replace("=", ":", 1)]
-        return out + ["--spec-lengths", mode or "uniform",
-                      "--spec-options", options.replace("+", ",")]
+        if mode:  # else the launcher's default for the drafter
+            out += ["--spec-lengths", mode]
+        return out + ["--spec-options", options.replace("+", ",")]
     steps = int(system.split(":")[1])  # SGLang's own: sloserve adds nothing (ar) but the CPU
     return ["--model-path", target, "--spec-policy", "ar",  # engine's flags
             "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", draft,

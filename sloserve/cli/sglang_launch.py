@@ -89,11 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most draft steps per batch")
     p.add_argument("--spec-options", default="",
                    help="the policy's options, name=value,... (SpecServeOptions fields)")
-    p.add_argument("--spec-lengths", choices=settings.LENGTHS, default="uniform",
+    p.add_argument("--spec-lengths", choices=settings.LENGTHS, default=None,
                    help="uniform: one draft length per batch; per-request: the plan stops "
                         "drafting round by round and each request verifies its own length; "
                         "trim: one draft length per batch, each request's verify trimmed "
-                        "from the draft's confidences")
+                        "from the draft's confidences. With --drafter ngram per-request and "
+                        "trim look the whole chain up first and verify each request's own "
+                        "length. Default: per-request with --drafter ngram, else uniform")
     p.add_argument("--spec-profile", default=None,
                    help="a profile of SGLang's forwards to use instead of the lookup; none: "
                         "no profile (the estimate from the models' shapes, corrected online)")
@@ -153,7 +155,8 @@ def sglang_args(argv: Sequence[str], bind: tuple[str, int] | None = None
                                else default_drafter(args.model_path))
     try:
         worker = settings.WorkerConfig(
-            spec_config, lengths=args.spec_lengths, drafter=drafter, profile=args.spec_profile,
+            spec_config, lengths=args.spec_lengths or settings.default_lengths(drafter),
+            drafter=drafter, profile=args.spec_profile,
             sweep=args.spec_sweep, timings=args.spec_timings, step_log=args.spec_step_log,
             test_verify_lens=args.spec_test_verify_lens,
             test_accept_all=args.spec_test_accept_all)

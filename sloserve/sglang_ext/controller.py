@@ -12,6 +12,8 @@ this object; any policy of the registry runs in it (make_policy). Per step:
     trimmed steps: rounds fixed likewise; spec.chain_drafted(step, conf) once drafted, then
         spec.verify_lengths(step) -> k_r (the plan's verifier on the real confidences) for
         a ragged verify
+    n-gram (lookup-first) steps, trimmed or per-request: spec.looked_up(step, conf) with the
+        whole chain looked up before SGLang drafts: k_r at once, max k_r rounds prepared
     per-request steps: spec.after_round(step, conf) after every draft round (the plan's
         early stop), then spec.verify_lengths(step) -> k_r for a ragged verify
     spec.finish(step, num_correct_drafts)     # once SGLang resolved the accepted counts
@@ -164,6 +166,15 @@ class StepController:
         if self.trim and not step.per_request and not self.sweep:
             step.session.chain_drafted(confidences)
 
+    def looked_up(self, step: SGLangStep, confidences: np.ndarray) -> int:
+        """The n-gram drafter's whole chain, looked up before SGLang drafts ([B, k_max]
+        confidences, NaN past each request's proposals): the plan's verifier picks k_r
+        (SpecSession.looked_up) and the step prepares max_r k_r rounds, 0 = SGLang's plain
+        path. Returns the rounds."""
+        step.prepared = rounds = step.session.looked_up(confidences)
+        step.chain_conf = np.asarray(confidences)[:, :rounds]
+        return rounds
+
     def verify_lengths(self, step: SGLangStep) -> np.ndarray:
         """[B] int64 k_r <= s_r: draft tokens each request verifies (the plan's; the
         test-only forced lengths when set)."""
@@ -228,8 +239,12 @@ class StepController:
         s = step.session
         conf = s.confidences[:, :s.rounds]
         P = getattr(s.plan, "P", None)  # SpecServe diagnostics; other plans have none
+        told = getattr(s.plan, "P_told", None)  # [B, s] a chain told at once (looked up)
+        if told is not None and getattr(s.plan, "j_done", 0) == 0:
+            P = told.T
         g = getattr(self.policy, "calibrator", None)
         rec = {"rids": list(s.step.request_ids), "rounds": s.rounds,
+               "looked_up": s.lengths_fixed,  # the chain came whole (no round was planned)
                "drafted": outcome.drafted.tolist(), "verified": outcome.verified.tolist(),
                "accepted": outcome.accepted.tolist(), "conf": _jsonable(conf),
                "chain": _jsonable(P[:s.rounds].T) if P is not None else None,

@@ -32,6 +32,7 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from sloserve.sglang_ext.chain_sampling import draft_pick
@@ -301,6 +302,32 @@ class NgramDraft(AlignedDraft):
                  n_max: int = 3) -> None:
         super().__init__(dw, k_max, on_chain, on_round, on_stop)
         self.chains = NgramChains(n_max)
+        # the chain `lookup` found for the step about to draft: tokens [bs, k] on the device
+        self._pending: torch.Tensor | None = None
+
+    def lookup(self, batch: Any, k: int) -> np.ndarray | None:
+        """Look the whole chain up before the step drafts (worker.py: the plan's verifier
+        decides k_r on it, and SGLang then runs max k_r rounds, which `rounds` takes from
+        here): [bs, k] confidences, NaN past each request's proposals; None when the batch
+        carries no bonus tokens yet (nothing is drafted then)."""
+        draft_input = batch.spec_info
+        bonus = getattr(draft_input, "bonus_tokens", None)
+        bs = len(batch.reqs)
+        self._pending = None
+        if bonus is None or bonus.numel() != bs or k <= 0:
+            return None
+        self.chains.start([r.rid for r in batch.reqs],
+                          [r.origin_input_ids + r.output_ids for r in batch.reqs],
+                          bonus.reshape(bs).tolist())
+        tokens = np.zeros((bs, k), dtype=np.int64)
+        conf = np.full((bs, k), np.nan)
+        for j in range(k):
+            tokens[:, j], conf[:, j] = self.chains.round()
+            if not self.chains.live():  # every chain ended: the rest stays NaN
+                tokens[:, j + 1:] = tokens[:, j:j + 1]
+                break
+        self._pending = torch.from_numpy(tokens).to(self.dw.device)
+        return conf
 
     def release(self, rid: str) -> None:
         self.chains.release(rid)
@@ -315,6 +342,11 @@ class NgramDraft(AlignedDraft):
     def rounds(self, batch: Any, draft_input: EagleDraftInput, k: int
                ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         bs = len(batch.seq_lens)
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.shape[0] == bs and pending.shape[1] >= k:
+            # looked up already (`lookup`); the verifier chose k rounds of it
+            ones = torch.ones(bs, dtype=torch.float32, device=pending.device)
+            return [pending[:, j] for j in range(k)], [ones] * k, []
         bonus = draft_input.bonus_tokens.reshape(bs).tolist()
         self.chains.start([r.rid for r in batch.reqs],
                           [r.origin_input_ids + r.output_ids for r in batch.reqs], bonus)

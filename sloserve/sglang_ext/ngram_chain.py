@@ -63,5 +63,9 @@ class NgramChains:
                 del tail[0]
         return tokens, conf
 
+    def live(self) -> bool:
+        """Whether some chain of the step still has proposals."""
+        return bool(self._live.any())
+
     def release(self, rid: str) -> None:
         self.book.release(rid)

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from sloserve.estimator.cost_model import CostModel, ForwardCost, rough_cost
+from sloserve.estimator.cost_model import CostModel, rough_cost
 from sloserve.estimator.profile_file import Profile, find_profile, model_key, read_profile
 from sloserve.estimator.profile_lookup import default_dirs, device_key, fingerprint
 from sloserve.policies.registry import make_policy
@@ -31,6 +31,14 @@ log = logging.getLogger(__name__)
 
 ENV_CONFIG = "SLOSERVE_SGLANG_CONFIG"
 LENGTHS = ("uniform", "per-request", "trim")
+
+
+def default_lengths(drafter: str) -> str:
+    """--spec-lengths by default: per-request with prompt lookup (its chain is looked up
+    whole before the step and each request verifies its own length: issue #32's closed
+    loop, BENCHMARKS.md), uniform with a draft model (one length per batch won there:
+    the draft's rounds cost a forward each)."""
+    return "per-request" if drafter == "ngram" else "uniform"
 DRAFTERS = ("model", "ngram")
 
 
@@ -137,7 +145,7 @@ def load_cost(target_path: str, draft_path: str, device: str, dtype: str,
                    or find_sglang_profile(target_path, draft_path, device, dtype))
         if profile is not None and profile.draft.key != "ngram":
             cost = profile.cost_model()
-            return CostModel(cost.target, ForwardCost.free(), cost.overhead), None
+            return cost.without_draft(), None
     else:
         profile = find_sglang_profile(target_path, draft_path, device, dtype, explicit)
     if profile is not None:

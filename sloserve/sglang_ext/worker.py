@@ -118,11 +118,17 @@ class SpecServeWorker(StandaloneWorkerV2):  # type: ignore[misc]  # SGLang is un
         # trimmed steps hand the chain's confidences to the plan's verifier; the profiler's
         # sweep records them, fitting the pair's calibration from them (they cost a pass
         # over the draft's logits per round: a timed run without either skips them)
-        wants_chain = (bool(ctl.sweep) or ctl.trim) and not self.per_request
+        # prompt lookup costs no forward: the whole chain is looked up before the step
+        # (trimmed and per-request steps alike) and the plan's verifier picks k_r at once
+        self.lookup_first = (cfg.drafter == "ngram" and (self.per_request or ctl.trim)
+                             and not ctl.sweep and not ctl.forced_lengths)
+        wants_chain = ((bool(ctl.sweep) or ctl.trim) and not self.per_request
+                       and not self.lookup_first)
         chain = NgramDraft if cfg.drafter == "ngram" else AlignedDraft
         self.aligned = chain(dw, self.speculative_num_steps,
                              on_chain=self._chain_drafted if wants_chain else None,
-                             on_round=self._after_round if self.per_request else None,
+                             on_round=(self._after_round
+                                       if self.per_request and not self.lookup_first else None),
                              on_stop=self._rounds_done)
         self.aligned.install()
         self.test_accept_all = cfg.test_accept_all
@@ -148,6 +154,13 @@ class SpecServeWorker(StandaloneWorkerV2):  # type: ignore[misc]  # SGLang is un
                         else batch.seq_lens).tolist()
             slos = [valid_slo(stated_slo(r.sampling_params, "tpot_slo")) for r in reqs]
             step = self.controller.begin([r.rid for r in reqs], seq_lens, slos)
+            if self.lookup_first:
+                assert isinstance(self.aligned, NgramDraft)
+                conf = self.aligned.lookup(batch, self.controller.k_max)
+                if conf is not None:
+                    self.controller.looked_up(step, conf)
+                else:
+                    step.prepared = step.session.fix_rounds(0)
             # the runtime state of the rounds SGLang prepares; SGLang's own switch by batch
             # size (activate_step_by_batch) then keeps it (SGLangStepsPolicy)
             assert self.adaptive_controller is not None

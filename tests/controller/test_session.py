@@ -156,6 +156,38 @@ def test_a_trimmed_step_drafts_the_batch_length_and_verifies_what_the_plan_keeps
             np.zeros((B, 1)))
 
 
+def test_a_looked_up_chain_is_verified_as_the_plan_keeps_it_and_nothing_is_plain():
+    """A drafter without a forward (prompt lookup) hands the whole chain over before the
+    step (SGLang's n-gram steps): the plan's verifier picks k_r at once (no proposal: 0),
+    the step prepares max k_r rounds, and where verifying anything costs more than it
+    brings (the verify path's fixed cost, CostModel.verify_fixed) it prepares none."""
+    import dataclasses
+
+    cost = dataclasses.replace(COST.without_draft(), verify_fixed=0.0)
+    policy = make_policy("specserve", cost, k_max=K_MAX)
+    ctl = StepController(policy, K_MAX, trim=True)
+    rids = [f"r{i}" for i in range(B)]
+    lens = np.full(B, 300)
+    conf = np.full((B, K_MAX), 0.95)
+    conf[0, :] = np.nan  # no match
+    conf[1, 2:] = np.nan  # two proposals
+    step = ctl.begin(rids, lens.tolist(), [None] * B)
+    rounds = ctl.looked_up(step, conf.copy())
+    k = ctl.verify_lengths(step)
+    assert rounds == int(k.max()) > 0 and step.prepared == rounds
+    assert k[0] == 0 and k[1] <= 2 and (k <= step.session.drafted).all()
+    assert (step.session.drafted <= rounds).all() and step.ragged
+    o = ctl.finish(step, np.minimum(k, 1).tolist(), now=step.started + 0.05)
+    assert o is not None and o.verified.tolist() == k.tolist()
+    # the same chain where verifying costs a fixed 3 plain steps: nothing is verified
+    dear = dataclasses.replace(cost, verify_fixed=3 * 0.05)
+    ctl = StepController(make_policy("specserve", dear, k_max=K_MAX), K_MAX, trim=True)
+    step = ctl.begin(rids, lens.tolist(), [None] * B)
+    low = np.where(np.isnan(conf), np.nan, 0.3)
+    assert ctl.looked_up(step, low) == 0 and step.prepared == 0 and not step.ragged
+    assert ctl.verify_lengths(step).tolist() == [0] * B
+
+
 def test_a_session_finishes_once():
     info = StepInfo(["a"], np.array([10]), np.full(1, np.inf), K_MAX)
     s = SpecSession(make_policy("fixed:2", COST, k_max=K_MAX), info)

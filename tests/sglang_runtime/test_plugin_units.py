@@ -223,6 +223,8 @@ def test_closed_loop_benchmark_runs_each_system_as_named():
     ng = system_args("sloserve-ngram::per-request/no-profile", "T", "D")
     assert ng[ng.index("--drafter") + 1] == "ngram"
     assert ng[-2:] == ["--spec-profile", "none"] and "--spec-lengths" in ng
+    default = system_args("sloserve-ngram", "T", "D")  # the launcher's default lengths
+    assert "--spec-lengths" not in default
     model = system_args("sloserve:fixed=3", "T", "D")
     assert model[model.index("--drafter") + 1] == "model"
     assert model[model.index("--spec-policy") + 1] == "fixed:3"
@@ -230,6 +232,17 @@ def test_closed_loop_benchmark_runs_each_system_as_named():
 
     assert file_stem("sloserve-ngram::per-request/no-profile") == \
         "sloserve-ngram--per-request-no-profile"
+
+
+def test_prompt_lookup_verifies_per_request_lengths_by_default(monkeypatch):
+    """--spec-lengths defaults by drafter: per-request with prompt lookup (its chain is
+    looked up whole, each request verifies its own length), uniform with a draft model; an
+    explicit mode wins."""
+    monkeypatch.setattr("sloserve.cli.sglang_launch.cuda_available", lambda: False)
+    for extra, want in ((["--drafter", "ngram"], "per-request"), ([], "uniform"),
+                        (["--drafter", "ngram", "--spec-lengths", "uniform"], "uniform")):
+        _, env = sglang_args(["--spec-policy", "specserve", *extra])
+        assert settings.WorkerConfig.from_json(env[settings.ENV_CONFIG]).lengths == want
 
 
 def test_policy_options_travel_in_the_one_config(monkeypatch):
@@ -284,20 +297,23 @@ def test_profiling_rows_carry_confidences_and_fit_the_calibration(tmp_path):
 def test_sglang_profile_fits_the_draft_from_drafting_steps_only(tmp_path):
     """python -m sloserve.profiler --engine sglang: steps that draft nothing run no draft
     forward (their `extend` is ~0) and a drafting step after them also times the catch-up
-    (`catch_up`, inside `draft`); the draft's fit must see neither as a draft forward."""
+    (`catch_up`, inside `draft`); the draft's fit must see neither as a draft forward. Their
+    target forward takes the decode path, cheaper than the verify path by verify_fixed,
+    which the fit finds apart from c."""
     from sloserve.cli.sglang_profile import fit_rows
     from sloserve.estimator.cost_model import ForwardCost
 
     target = ForwardCost(a=5e-5, b=2.7e-3, c=0.064, q0=0.0)
     draft = ForwardCost(a=1e-5, b=1.2e-4, c=0.0106, q0=0.0)
     overhead = 0.0014
+    verify_fixed = 0.015  # the verify path over the decode path (worker._plain_verify)
     rng = np.random.default_rng(0)
     rows, skipped = [], 0
     for _ in range(400):
         B, k, ctx = int(rng.choice([1, 2, 4, 8, 16])), int(rng.integers(0, 9)), 0
         ctx = B * int(rng.integers(50, 400))
         q = B * (k + 1)
-        verify = target.time(ctx + q, q)
+        verify = target.time(ctx + q, q) + (verify_fixed if k else 0.0)
         if k == 0:
             skipped += 1
             rows.append({"batch": B, "k": 0, "context": ctx, "verify": verify,
@@ -319,4 +335,5 @@ def test_sglang_profile_fits_the_draft_from_drafting_steps_only(tmp_path):
     assert profile.draft.fit is not None and profile.draft.fit.r2 > 0.99
     assert profile.draft.cost.c == pytest.approx(draft.c, rel=0.05)
     assert profile.target.cost.c == pytest.approx(target.c, rel=0.05)
+    assert profile.verify_fixed == pytest.approx(verify_fixed, rel=0.05)
     assert profile.overhead == pytest.approx(overhead, rel=0.05)

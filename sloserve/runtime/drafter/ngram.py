@@ -9,33 +9,53 @@ the n-gram is short. Draft cost is a few dictionary look-ups.
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+
+class _Follow:
+    """What followed one n-gram: each token's count, their total, and the proposal (the most
+    frequent, ties: the most recent), kept as tokens arrive so a proposal is O(1)."""
+
+    __slots__ = ("counts", "total", "best", "best_count")
+
+    def __init__(self) -> None:
+        self.counts: dict[int, int] = {}
+        self.total = 0
+        self.best = -1
+        self.best_count = 0
+
+    def add(self, t: int) -> None:
+        c = self.counts.get(t, 0) + 1
+        self.counts[t] = c
+        self.total += 1
+        if c >= self.best_count:  # reaching the best count last makes it the most recent
+            self.best, self.best_count = t, c
 
 
 class NgramIndex:
     def __init__(self, n_max: int = 3):
         self.n_max = n_max
         self.tokens: list[int] = []
-        # (n-gram tuple) -> next tokens, in order of occurrence
-        self.follow: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        # (n-gram tuple) -> what followed it
+        self.follow: dict[tuple[int, ...], _Follow] = {}
 
     def extend(self, tokens: list[int]) -> None:
+        follow = self.follow
         for t in tokens:
             L = len(self.tokens)
             for n in range(1, min(self.n_max, L) + 1):
-                self.follow[tuple(self.tokens[L - n :])].append(t)
+                key = tuple(self.tokens[L - n :])
+                f = follow.get(key)
+                if f is None:
+                    f = follow[key] = _Follow()
+                f.add(t)
             self.tokens.append(t)
 
     def propose(self, context_tail: list[int]) -> tuple[int, float] | None:
         """Next token after `context_tail` (the last tokens, drafts included), or None."""
         for n in range(min(self.n_max, len(context_tail)), 0, -1):
-            nxt = self.follow.get(tuple(context_tail[-n:]))
-            if nxt:
-                counts = Counter(nxt)
-                best = max(counts.values())
-                token = next(t for t in reversed(nxt) if counts[t] == best)
-                conf = best / len(nxt) * (n / self.n_max) ** 0.5
-                return token, conf
+            f = self.follow.get(tuple(context_tail[-n:]))
+            if f is not None:
+                conf = f.best_count / f.total * (n / self.n_max) ** 0.5
+                return f.best, conf
         return None
 
 
