@@ -35,12 +35,18 @@ plays ar's part, prompts are Spec-Bench questions in the target's chat template 
 categories round-robin, cut to --prompt-tokens; the trace gives arrivals and output lengths)
 and each request's SLOs travel in SGLang's custom_params. Writes sweep.json, sweep.md and plots (sweep_report.py) to --out. It
 prints the number of runs first and one line per run with the elapsed time.
+
+A sweep is a long job (the SGLang one ~1 hour on 2 cores): every finished run is appended to
+--out/runs.jsonl and the progress written to --out/STATUS as it goes; `--resume` reruns the
+same command and skips the runs already there (the command's settings must match those the
+checkpoint was started with, --out and --resume aside).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import shlex
 import sys
 import time
@@ -112,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-tokens", type=int, default=256, help="prompts cut to this")
     p.add_argument("--out", type=Path, default=Path("runs/sweep"))
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--resume", action="store_true",
+                   help="skip the runs --out/runs.jsonl already holds (same settings)")
     return p
 
 
@@ -225,6 +233,48 @@ def series(run: PolicyRun) -> list[list[float]]:
     return [[s.t_s, s.batch_size, s.mean_verify_len] for s in ts[::step]]
 
 
+class Checkpoint:
+    """Finished runs of a sweep in --out/runs.jsonl (one JSON line each, keyed by load, seed
+    and policy; the capacity probe by "probe"), the settings they belong to in
+    --out/checkpoint.json, and a one-line STATUS."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.out: Path = args.out
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.runs_path = self.out / "runs.jsonl"
+        settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                    if k not in ("out", "resume", "no_plots")}
+        meta = self.out / "checkpoint.json"
+        self.done: dict[str, dict[str, Any]] = {}
+        if args.resume and meta.exists():
+            if json.loads(meta.read_text()) != settings:
+                raise SystemExit(f"--resume: {meta} holds another sweep's settings")
+            if self.runs_path.exists():
+                for line in self.runs_path.read_text().splitlines():
+                    if line.strip():
+                        rec = json.loads(line)
+                        self.done[rec["key"]] = rec
+        else:
+            self.runs_path.write_text("")
+        meta.write_text(json.dumps(settings, sort_keys=True))
+
+    @staticmethod
+    def key(load: float | None, seed: int | None, policy: str) -> str:
+        return "probe" if load is None else f"{load:g}|{seed}|{policy}"
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        return self.done.get(key)
+
+    def put(self, key: str, rec: dict[str, Any]) -> None:
+        rec = {"key": key, **rec}
+        self.done[key] = rec
+        with self.runs_path.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def status(self, text: str) -> None:
+        (self.out / "STATUS").write_text(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.target == "sim" and not args.profile:
@@ -254,8 +304,15 @@ def _run(args: argparse.Namespace, sweep: Sweep, argv: list[str] | None) -> int:
     ref = sweep.reference
     sweep.log(f"{n_runs} runs of {args.requests} requests ({args.target}); "
               f"the first measures {ref}'s capacity")
-    probe = sweep.replay(ref, args.seeds[0], burst(cell(1.0, args.seeds[0], 1.0)))
-    capacity = run_stats(probe, {}, sweep.slo)["throughput_rps"]
+    ck = Checkpoint(args)
+    if ck.done:
+        sweep.log(f"resuming: {len(ck.done)} of {n_runs} runs in {ck.runs_path}")
+    probed = ck.get("probe")
+    if probed is None:
+        probe = sweep.replay(ref, args.seeds[0], burst(cell(1.0, args.seeds[0], 1.0)))
+        probed = {"capacity": run_stats(probe, {}, sweep.slo)["throughput_rps"]}
+        ck.put("probe", probed)
+    capacity = float(probed["capacity"])
     trace_rate = describe(trace)["rate_rps"] or 0.0
     unit = capacity if args.rate_unit == "ar" else trace_rate
     unit_text = (f"{ref}'s capacity, {capacity:.3g} req/s (all {args.requests} requests of "
@@ -270,15 +327,23 @@ def _run(args: argparse.Namespace, sweep: Sweep, argv: list[str] | None) -> int:
         cells = [cell(load, s, unit) for s in args.seeds]
         for c in cells:
             for policy in sweep.policies:
-                run = sweep.replay(policy, c.seed, c.requests)
-                stats = run_stats(run, c.classes, sweep.slo)
+                key = ck.key(load, c.seed, policy)
+                rec = ck.get(key)
+                if rec is None:
+                    run = sweep.replay(policy, c.seed, c.requests)
+                    rec = {"stats": run_stats(run, c.classes, sweep.slo),
+                           "series": series(run) if c.seed == args.seeds[0] else None}
+                    ck.put(key, rec)
+                stats = rec["stats"]
                 runs.append({"policy": policy, "seed": c.seed, "stats": stats})
-                if c.seed == args.seeds[0]:
-                    ts[policy] = series(run)
+                if rec["series"] is not None:
+                    ts[policy] = rec["series"]
                 done += 1
-                sweep.log(f"[{done}/{n_runs}] load {load:g}x seed {c.seed} {policy}: goodput "
-                          f"{stats['goodput_rps']:.3f} req/s, attainment "
-                          f"{100 * stats['attainment']:.1f}%")
+                line = (f"[{done}/{n_runs}] load {load:g}x seed {c.seed} {policy}: goodput "
+                        f"{stats['goodput_rps']:.3f} req/s, attainment "
+                        f"{100 * stats['attainment']:.1f}%")
+                sweep.log(line)
+                ck.status(line)
         agg = aggregate(runs, sweep.default)
         paired = {}
         for p in sweep.policies:
@@ -309,6 +374,7 @@ def _run(args: argparse.Namespace, sweep: Sweep, argv: list[str] | None) -> int:
         "loads": loads_out,
     }
     paths = write_sweep(args.out, report, plots=not args.no_plots)
+    ck.status(f"finished: {n_runs} runs; report in {args.out / 'sweep.md'}")
     sweep.log("wrote " + ", ".join(str(p) for p in paths))
     print((args.out / "sweep.md").read_text())
     return 0

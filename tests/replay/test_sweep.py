@@ -120,3 +120,42 @@ def test_sweep_command_on_the_simulator(tmp_path):
                  "mean_k_over_time.png"):
         assert (out / name).stat().st_size > 0
     assert "| 4x |" in (out / "sweep.md").read_text()
+
+
+def test_a_sweep_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+    """--resume replays only the runs --out/runs.jsonl lacks (a sweep cut off by the end of
+    a session goes on in the next), and reports what an uninterrupted sweep reports; other
+    settings than the checkpoint's are refused."""
+    from sloserve.cli import sweep as sweep_cli
+
+    path = tmp_path / "t.jsonl"
+    write_native(path, trace(200))
+    argv = ["--target", "sim", "--profile", str(H100), "--trace", str(path), "--loads", "1,4",
+            "--seeds", "0", "--requests", "60", "--policies", "ar,specserve-slo",
+            "--no-plots"]
+    whole = tmp_path / "whole"
+    assert sweep_main(argv + ["--out", str(whole)]) == 0
+    cut = tmp_path / "cut"
+    replay = sweep_cli.Sweep.replay
+    calls: list[str] = []
+
+    def dies_after_three(self, policy, seed, requests):
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # the session ends
+        calls.append(policy)
+        return replay(self, policy, seed, requests)
+
+    monkeypatch.setattr(sweep_cli.Sweep, "replay", dies_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        sweep_main(argv + ["--out", str(cut)])
+    assert len((cut / "runs.jsonl").read_text().splitlines()) == 3  # probe + 2 runs
+    assert "[3/5]" in (cut / "STATUS").read_text()
+    calls.clear()
+    monkeypatch.setattr(sweep_cli.Sweep, "replay", lambda self, p, s, r: (calls.append(p), replay(self, p, s, r))[1])
+    assert sweep_main(argv + ["--out", str(cut), "--resume"]) == 0
+    assert calls == ["ar", "specserve-slo"]  # the 4x cell only
+    a, b = (json.loads((d / "sweep.json").read_text()) for d in (whole, cut))
+    for la, lb in zip(a["loads"], b["loads"]):
+        assert la["policies"] == lb["policies"] and la["runs"] == lb["runs"]
+    with pytest.raises(SystemExit, match="another sweep"):
+        sweep_main([x if x != "60" else "61" for x in argv] + ["--out", str(cut), "--resume"])

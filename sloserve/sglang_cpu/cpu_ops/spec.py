@@ -201,37 +201,56 @@ def build_tree_kernel_efficient(
                 return j + 1
         return n
 
+    # built on Python lists and written to the tensors at once: an element-wise tensor write
+    # costs microseconds, and a batch of 16 chains of 9 made thousands (3.4 ms a step)
+    bs = len(seq)
+    pos = [0] * (bs * n)
+    rnt = retrive_next_token.reshape(-1).tolist()  # pre-filled -1
+    rns = retrive_next_sibling.reshape(-1).tolist()
+    cols: list[int] = []  # flat tree_mask indices written, and their values
+    vals: list[bool] = []
     mask_base = 0
-    for b in range(len(seq)):
+    for b in range(bs):
         off = b * n
-        positions[off] = seq[b]
-        retrive_index[b, 0] = off
+        pos[off] = seq[b]
+        parents = [0] + [parent_node(b, i) for i in range(1, n)]
         for i in range(n - 1, 0, -1):
-            retrive_index[b, i] = off + i
-            p = parent_node(b, i)
+            p = parents[i]
             if p == n:
                 continue
-            first = int(retrive_next_token[b, p])
-            retrive_next_token[b, p] = i
+            first = rnt[off + p]
+            rnt[off + p] = i
             if first != -1:
-                retrive_next_sibling[b, i] = first
+                rns[off + i] = first
         row_len = n if tree_mask_mode == 1 else seq[b] + n
         col0 = 0 if tree_mask_mode == 1 else seq[b]
         for t in range(n):
             row = mask_base + t * row_len + col0
-            tree_mask[row : row + n] = False
-            tree_mask[row] = True
-            if t == 0:
-                continue
+            seen = [False] * n
+            seen[0] = True
             node, d = t, 0
             while node != 0:
                 d += 1
-                tree_mask[row + node] = True
-                node = parent_node(b, node)
+                seen[node] = True
+                node = parents[node]
                 if node == n:
                     break
-            positions[off + t] = seq[b] + d
+            if t:
+                pos[off + t] = seq[b] + d
+            cols.extend(range(row, row + n))
+            vals.extend(seen)
         mask_base += n * row_len
+    dev = positions.device
+    positions.copy_(torch.tensor(pos, dtype=positions.dtype, device=dev))
+    retrive_index.copy_(torch.arange(bs * n, dtype=retrive_index.dtype,
+                                     device=dev).reshape(retrive_index.shape))
+    retrive_next_token.copy_(torch.tensor(rnt, dtype=retrive_next_token.dtype,
+                                          device=dev).reshape(retrive_next_token.shape))
+    retrive_next_sibling.copy_(torch.tensor(rns, dtype=retrive_next_sibling.dtype,
+                                            device=dev).reshape(retrive_next_sibling.shape))
+    if cols:
+        tree_mask[torch.tensor(cols, dtype=torch.int64, device=dev)] = torch.tensor(
+            vals, dtype=tree_mask.dtype, device=dev)
 
 
 def rotate_input_ids(
