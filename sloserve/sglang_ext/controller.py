@@ -111,6 +111,7 @@ class StepController:
     # step verifies min(forced[(i + n) % len], k_max); the plan still sees everything
     forced_lengths: tuple[int, ...] = ()
     _steps_begun: int = 0
+    _last_finish: float | None = None  # perf_counter at the last step's finish (timings)
     # a file that gets one JSON line per per-request step: the verify lengths, and for a
     # SpecServe plan its chain probabilities and calibration map, for tests and debugging
     step_log_path: str | None = None
@@ -195,7 +196,12 @@ class StepController:
         B = s.step.batch_size
         if len(num_correct_drafts) != B or s.outcome is not None:
             return None
-        step_time = (time.perf_counter() if now is None else now) - step.started
+        end = time.perf_counter() if now is None else now
+        step_time = end - step.started
+        # seconds between the last step's finish and this one's begin: the scheduler's
+        # own work between decode steps (prefills included), for the timings lines
+        gap = step.started - self._last_finish if self._last_finish is not None else None
+        self._last_finish = end
         # what drafting cost this step: its rounds and the draft's read of the verified
         # window, which steps without drafts skip (draft_chain.py); not the catch-up
         drafting = (step.draft_time + step.extend_time - step.catch_up_time
@@ -216,7 +222,13 @@ class StepController:
                 "accepted": int(accepted.sum()), "verified": int(verified.sum()),
                 # seconds in the policy's Python (plan, after each round, verify lengths;
                 # observe included) and whether the plan steered the rounds
-                "policy": s.plan_time + s.policy_time, "per_request": step.per_request}
+                "policy": s.plan_time + s.policy_time,
+                "per_request": step.per_request, "gap": gap}
+            corr = getattr(self.policy, "correction", None)
+            if corr is not None:  # the online cost correction after this step
+                row["theta"] = [round(corr.theta_target, 4), round(corr.theta_verify, 4),
+                                round(corr.theta_draft, 4)]
+                row["verify_fixed"] = round(corr.verify_fixed, 6)
             if step.chain_conf is not None and step.chain_conf.shape[1] == step.rounds:
                 # the chain's confidences [B][k] and each request's accepted drafts
                 row["conf"] = _jsonable(step.chain_conf)

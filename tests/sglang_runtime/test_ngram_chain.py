@@ -106,15 +106,21 @@ def test_the_ngram_drafter_prices_drafting_free_from_a_model_profile(tmp_path):
 
 def test_spec_profile_none_starts_from_the_estimate_whatever_profiles_exist():
     """--spec-profile none: the first start of a pair (issue #32, acceptance 3), even where a
-    profile of it exists."""
+    profile of it exists: the shapes' estimate, with a prior for SGLang's verify path that
+    the online correction then fits."""
+    import dataclasses
+
     from sloserve.estimator.cost_model import rough_cost
     from sloserve.runtime.models.config import load_config
     from sloserve.sglang_cpu.tiny_pair import ensure_tiny_pair
-    from sloserve.sglang_ext.settings import load_cost
+    from sloserve.sglang_ext.settings import ROUGH_VERIFY_PATH, load_cost
 
     target, draft = (str(p) for p in ensure_tiny_pair())
     cost, calibration = load_cost(target, draft, "cpu", "float32", "none")
     assert calibration is None
-    assert cost == rough_cost(load_config(target), load_config(draft))
+    rough = rough_cost(load_config(target), load_config(draft))
+    assert cost == dataclasses.replace(rough, verify_fixed=ROUGH_VERIFY_PATH * rough.target.c)
+    assert cost.verify_fixed > 0
     cost, _ = load_cost(target, draft, "cpu", "float32", "none", drafter="ngram")
-    assert cost == rough_cost(load_config(target), None)
+    assert cost.target == rough_cost(load_config(target), None).target
+    assert cost.draft.c == 0 and cost.verify_fixed > 0
