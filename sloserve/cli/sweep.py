@@ -7,14 +7,14 @@
         --tpot-slo-ms 15 --ttft-slo-ms 1000 --out runs/sweep_sim
 
     # SGLang's own servers (the real pair, prompt lookup), 0.3-1.5x what plain SGLang
-    # sustains; every system's server up at once (about 3.5 GB each), each cell replayed
-    # on every system in turn
+    # sustains; one server at a time (six at ~3.7 GB each do not fit in 24 GB; --servers
+    # all keeps every one up and replays each cell on all in turn)
     python -m sloserve.replay.sweep --target sglang --model smollm2 \
         --policies plain,standalone:1,sloserve-ngram:specserve,sloserve-ngram,sloserve-ngram:lut,sloserve-ngram:fixed=3 \
         --default-policy sloserve-ngram \
         --trace ../shared/data/traces/azure_llm_2023_conv.csv --loads 0.3,0.6,1,1.5 \
         --rate-unit ar --seeds 0,1,2 --requests 24 --output-scale 0.25 --output-max 64 \
-        --tpot-slo-ms 150 --ttft-slo-ms 4000 --out runs/sweep_sglang
+        --tpot-slo-ms 150 --ttft-slo-ms 4000 --servers one --out runs/sweep_sglang
 
     # the in-process engine on this CPU (built-in pair), 0.3-1.5x what `ar` sustains
     python -m sloserve.replay.sweep --target inprocess \
@@ -39,7 +39,7 @@ prints the number of runs first and one line per run with the elapsed time.
 A sweep is a long job (the SGLang one ~1 hour on 2 cores): every finished run is appended to
 --out/runs.jsonl and the progress written to --out/STATUS as it goes; `--resume` reruns the
 same command and skips the runs already there (the command's settings must match those the
-checkpoint was started with, --out and --resume aside).
+checkpoint was started with, --out and --resume aside, and a measured sweep's machine too).
 """
 
 from __future__ import annotations
@@ -116,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-model-path", default=None, help="default: the preset's draft")
     g.add_argument("--port", type=int, default=32877, help="the first system's port")
     g.add_argument("--prompt-tokens", type=int, default=256, help="prompts cut to this")
+    g.add_argument("--servers", choices=("all", "one"), default="all",
+                   help="all: every system's server up at once, each cell replayed on all in "
+                        "turn; one: one server at a time, every cell of a system before the "
+                        "next (on 24 GB at most five SGLang servers fit at once)")
     p.add_argument("--out", type=Path, default=Path("runs/sweep"))
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--resume", action="store_true",
@@ -141,7 +145,8 @@ class Sweep:
         if sglang and self.reference not in self.policies:
             raise SystemExit("--target sglang: --policies needs plain (SGLang without "
                              "speculation: the loads are multiples of what it sustains)")
-        self.servers = SGLangServers(args, self.policies) if sglang else None
+        self.servers = (SGLangServers(args, self.policies, args.servers == "one")
+                        if sglang else None)
         kv = args.kv_cache_tokens or (1 << 20 if args.target == "sim" else 65536)
         self.cfg = EngineConfig(
             k_max=args.k_max, kv_cache_tokens=kv, tpot_slo=None, dtype=args.dtype,
@@ -185,10 +190,12 @@ class ChatPrompts:
 
 
 class SGLangServers:
-    """One SGLang server per system (bench/sglang_specserve.py's), all started at once;
-    each sleeps while idle, so the cells replayed on them in turn meet a quiet machine."""
+    """One SGLang server per system (bench/sglang_specserve.py's), all started at once (each
+    sleeps while idle, so the cells replayed on them in turn meet a quiet machine), or with
+    `one_at_a_time` started when first asked for, the one before it stopped."""
 
-    def __init__(self, args: argparse.Namespace, systems: list[str]) -> None:
+    def __init__(self, args: argparse.Namespace, systems: list[str],
+                 one_at_a_time: bool = False) -> None:
         from sloserve.bench.sglang_specserve import (
             Server,
             bench_prompts,
@@ -206,25 +213,37 @@ class SGLangServers:
         logs.mkdir(parents=True, exist_ok=True)
         python = sglang_python()
         self.servers: dict[str, Any] = {}
+        self.one_at_a_time = one_at_a_time
+
+        def start(i: int, system: str) -> None:
+            server = self.servers[system] = Server(
+                python, system_args(system, target, draft, args.k_max), args.port + i,
+                logs / f"{file_stem(system)}.log")
+            server.wait()
+            print(f"[{system}] server up at {server.url}", flush=True)
+
+        self._start = lambda system: start(systems.index(system), system)
+        if one_at_a_time:
+            return
         try:
-            # one at a time: SGLang sizes its KV pool on a CPU from the memory its weights
-            # leave free, which servers loading beside it would take
+            # one after another: SGLang sizes its KV pool on a CPU from the memory its
+            # weights leave free, which servers loading beside it would take
             for i, s in enumerate(systems):
-                server = self.servers[s] = Server(
-                    python, system_args(s, target, draft, args.k_max), args.port + i,
-                    logs / f"{file_stem(s)}.log")
-                server.wait()
-                print(f"[{s}] server up at {server.url}", flush=True)
+                start(i, s)
         except BaseException:
             self.stop()
             raise
 
     def url(self, system: str) -> str:
+        if system not in self.servers:  # one at a time: the one before goes first
+            self.stop()
+            self._start(system)
         return str(self.servers[system].url)
 
     def stop(self) -> None:
         for server in self.servers.values():
             server.stop()
+        self.servers.clear()
 
 
 def series(run: PolicyRun) -> list[list[float]]:
@@ -244,6 +263,10 @@ class Checkpoint:
         self.runs_path = self.out / "runs.jsonl"
         settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                     if k not in ("out", "resume", "no_plots")}
+        if args.target != "sim":  # measured runs of one sweep come from one machine
+            from sloserve.bench.common import cpu_model
+
+            settings["machine"] = cpu_model()
         meta = self.out / "checkpoint.json"
         self.done: dict[str, dict[str, Any]] = {}
         if args.resume and meta.exists():
@@ -313,12 +336,27 @@ def _run(args: argparse.Namespace, sweep: Sweep, argv: list[str] | None) -> int:
         probed = {"capacity": run_stats(probe, {}, sweep.slo)["throughput_rps"]}
         ck.put("probe", probed)
     capacity = float(probed["capacity"])
+    one_at_a_time = sweep.servers is not None and sweep.servers.one_at_a_time
     trace_rate = describe(trace)["rate_rps"] or 0.0
     unit = capacity if args.rate_unit == "ar" else trace_rate
     unit_text = (f"{ref}'s capacity, {capacity:.3g} req/s (all {args.requests} requests of "
                  f"seed {args.seeds[0]} at once)" if args.rate_unit == "ar" else
                  f"the trace's mean rate, {trace_rate:.3g} req/s")
     sweep.log(f"{ref} sustains {capacity:.3g} req/s; rate unit: {unit_text}")
+    if one_at_a_time:  # every cell of a system before the next (its server started once)
+        done = 1
+        for policy in sweep.policies:
+            for load in args.loads:
+                for s in args.seeds:
+                    key = ck.key(load, s, policy)
+                    if ck.get(key) is None:
+                        c = cell(load, s, unit)
+                        run = sweep.replay(policy, c.seed, c.requests)
+                        ck.put(key, {"stats": run_stats(run, c.classes, sweep.slo),
+                                     "series": series(run) if s == args.seeds[0] else None})
+                    done += 1
+                    ck.status(f"[{done}/{n_runs}] load {load:g}x seed {s} {policy}")
+                    sweep.log(f"[{done}/{n_runs}] load {load:g}x seed {s} {policy} done")
     loads_out = []
     done = 1
     for load in args.loads:

@@ -20,8 +20,11 @@ pytestmark = pytest.mark.timeout(1800)
 TRACE = REPO.parent / "shared" / "data" / "traces" / "azure_llm_2023_conv.csv"
 
 
+@pytest.mark.parametrize("servers", ["all", "one"])
 def test_sweep_replays_the_same_requests_on_every_sglang_server(sglang_python,
-                                                              tiny_sglang_pair, tmp_path):
+                                                              tiny_sglang_pair, tmp_path,
+                                                              servers):
+    """All servers up at once, or one at a time (every cell of a system before the next)."""
     if not TRACE.is_file():
         pytest.skip(f"needs the Azure trace at {TRACE}")
     target, draft = tiny_sglang_pair
@@ -33,7 +36,7 @@ def test_sweep_replays_the_same_requests_on_every_sglang_server(sglang_python,
            "--trace", str(TRACE), "--loads", "1", "--rate-unit", "ar", "--seeds", "0",
            "--requests", "8", "--output-scale", "0.1", "--output-max", "12",
            "--tpot-slo-ms", "200", "--ttft-slo-ms", "5000", "--port", "33877",
-           "--out", str(out), "--no-plots"]
+           "--out", str(out), "--no-plots", "--servers", servers]
     env = {**os.environ, "SLOSERVE_SGLANG_PYTHON": sglang_python}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=1500)
@@ -53,3 +56,5 @@ def test_sweep_replays_the_same_requests_on_every_sglang_server(sglang_python,
     plain = (logs / "plain.log").read_text(errors="replace")
     assert "--speculative-algorithm SPECSERVE" in spec
     assert "--speculative-algorithm" not in plain
+    records = (out / "runs.jsonl").read_text().splitlines()
+    assert len(records) == 1 + len(runs)  # the capacity probe and every run, checkpointed
