@@ -16,6 +16,9 @@ class RequestTable:
 
     def __init__(self, capacity: int = 256) -> None:
         self.values = np.zeros(capacity)  # [capacity]
+        # [capacity] True from a slot's allocation until its owner clears it (what "fresh"
+        # means is the owner's: SpecServe, no draft token of the request's own seen yet)
+        self.fresh = np.zeros(capacity, dtype=bool)
         self._index: dict[str, int] = {}
         self._free: list[int] = []
         self._next = 0
@@ -58,6 +61,8 @@ class RequestTable:
             self._next += 1
             if slot >= self.values.size:
                 self.values = np.concatenate([self.values, np.zeros(self.values.size)])
+                self.fresh = np.concatenate([self.fresh, np.zeros(self.fresh.size, bool)])
         self.values[slot] = fill
+        self.fresh[slot] = True
         self._index[request_id] = slot
         return slot

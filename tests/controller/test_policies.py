@@ -201,6 +201,27 @@ def test_specserve_learns_per_request_predictability():
     assert drafted[:4].min() > 2 * max(drafted[4:].max(), 1)
 
 
+def test_specserve_measures_new_requests_after_the_prior_fell():
+    """The running prior (the mean prediction of measured requests) can fall, after a run
+    of poorly accepted requests, to where a new request is not worth a draft round at it.
+    New requests are still planned at the configured prior until their own first drafts
+    are seen, so confident newcomers are measured and then draft (before, speculation
+    stayed off for good: nothing drafted, nothing learned)."""
+    rng = np.random.default_rng(5)
+    work = SyntheticWorkload(rng, concentration=30.0)
+    newcomers = make_step(12)
+    # at 0.15 no draft round pays at batch 12 (a policy configured so does not draft)
+    assert not SpecServePolicy(COST, 8, prior=0.15).plan(newcomers).drafting.any()
+    policy = SpecServePolicy(COST, 8)  # configured prior 0.6
+    policy.prior = 0.15  # the running prior after hopeless requests
+    assert policy.plan(newcomers).drafting.all()  # measured at the configured prior
+    drafted = [drive_step(policy, newcomers, work, np.full(12, 0.95)).drafted.sum()
+               for _ in range(10)]
+    assert min(drafted[1:]) >= 2 * 12  # measured confident: they go on drafting
+    assert policy.prior > 0.15  # the prior follows the measured requests
+    assert not policy.history.fresh[policy.history.slots(newcomers.request_ids, 0.0)].any()
+
+
 def test_specserve_verifier_trims_but_drafter_only_does_not():
     step = make_step(16)
     conf = np.tile([0.9, 0.8, 0.3, 0.1], (16, 1))

@@ -26,7 +26,9 @@ class SpecServeOptions:
     """Every option has its measured reason in docs/design.md; the defaults are what runs."""
 
     ema: float = 0.3  # weight of the newest draft token in a request's EMA of g(c)
-    prior: float = 0.6  # the first prediction of acceptance for a new request
+    # the first prediction of acceptance for a new request, and the least a request is
+    # planned at until one of its own drafts is seen (policy.py)
+    prior: float = 0.6
     # speculation starts only if its predicted E beats plain decoding by this fraction
     start_margin: float = 0.0
     # a strict subset of the candidates drafts (a tail is trimmed) only if it raises E by
