@@ -336,6 +336,18 @@ def _run(args: argparse.Namespace, sweep: Sweep, argv: list[str] | None) -> int:
         probed = {"capacity": run_stats(probe, {}, sweep.slo)["throughput_rps"]}
         ck.put("probe", probed)
     capacity = float(probed["capacity"])
+
+    def record(policy: str, c: SweepCell) -> dict[str, Any]:
+        """The run of `policy` on cell c: checkpointed, replayed first if not there yet."""
+        key = ck.key(c.load, c.seed, policy)
+        rec = ck.get(key)
+        if rec is None:
+            run = sweep.replay(policy, c.seed, c.requests)
+            rec = {"stats": run_stats(run, c.classes, sweep.slo),
+                   "series": series(run) if c.seed == args.seeds[0] else None}
+            ck.put(key, rec)
+        return rec
+
     one_at_a_time = sweep.servers is not None and sweep.servers.one_at_a_time
     trace_rate = describe(trace)["rate_rps"] or 0.0
     unit = capacity if args.rate_unit == "ar" else trace_rate
@@ -348,12 +360,7 @@ def _run(args: argparse.Namespace, sweep: Sweep, argv: list[str] | None) -> int:
         for policy in sweep.policies:
             for load in args.loads:
                 for s in args.seeds:
-                    key = ck.key(load, s, policy)
-                    if ck.get(key) is None:
-                        c = cell(load, s, unit)
-                        run = sweep.replay(policy, c.seed, c.requests)
-                        ck.put(key, {"stats": run_stats(run, c.classes, sweep.slo),
-                                     "series": series(run) if s == args.seeds[0] else None})
+                    record(policy, cell(load, s, unit))
                     done += 1
                     ck.status(f"[{done}/{n_runs}] load {load:g}x seed {s} {policy}")
                     sweep.log(f"[{done}/{n_runs}] load {load:g}x seed {s} {policy} done")
@@ -365,13 +372,7 @@ def _run(args: argparse.Namespace, sweep: Sweep, argv: list[str] | None) -> int:
         cells = [cell(load, s, unit) for s in args.seeds]
         for c in cells:
             for policy in sweep.policies:
-                key = ck.key(load, c.seed, policy)
-                rec = ck.get(key)
-                if rec is None:
-                    run = sweep.replay(policy, c.seed, c.requests)
-                    rec = {"stats": run_stats(run, c.classes, sweep.slo),
-                           "series": series(run) if c.seed == args.seeds[0] else None}
-                    ck.put(key, rec)
+                rec = record(policy, c)
                 stats = rec["stats"]
                 runs.append({"policy": policy, "seed": c.seed, "stats": stats})
                 if rec["series"] is not None:

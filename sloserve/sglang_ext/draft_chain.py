@@ -316,9 +316,7 @@ class NgramDraft(AlignedDraft):
         self._pending = None
         if bonus is None or bonus.numel() != bs or k <= 0:
             return None
-        self.chains.start([r.rid for r in batch.reqs],
-                          [r.origin_input_ids + r.output_ids for r in batch.reqs],
-                          bonus.reshape(bs).tolist())
+        self._start(batch, bonus)
         tokens = np.zeros((bs, k), dtype=np.int64)
         conf = np.full((bs, k), np.nan)
         for j in range(k):
@@ -328,6 +326,12 @@ class NgramDraft(AlignedDraft):
                 break
         self._pending = torch.from_numpy(tokens).to(self.dw.device)
         return conf
+
+    def _start(self, batch: Any, bonus: torch.Tensor) -> None:
+        """Start the step's chains: each request's committed tokens and its bonus token."""
+        self.chains.start([r.rid for r in batch.reqs],
+                          [r.origin_input_ids + r.output_ids for r in batch.reqs],
+                          bonus.reshape(len(batch.reqs)).tolist())
 
     def release(self, rid: str) -> None:
         self.chains.release(rid)
@@ -347,9 +351,7 @@ class NgramDraft(AlignedDraft):
             # looked up already (`lookup`); the verifier chose k rounds of it
             ones = torch.ones(bs, dtype=torch.float32, device=pending.device)
             return [pending[:, j] for j in range(k)], [ones] * k, []
-        bonus = draft_input.bonus_tokens.reshape(bs).tolist()
-        self.chains.start([r.rid for r in batch.reqs],
-                          [r.origin_input_ids + r.output_ids for r in batch.reqs], bonus)
+        self._start(batch, draft_input.bonus_tokens)
         dev = self.dw.device
         drafts: list[torch.Tensor] = []
         confs: list[torch.Tensor] = []
