@@ -122,8 +122,132 @@ def _math_prompt(rng: random.Random) -> str:
     ])
 
 
-def build_prompts(seed: int) -> list[dict]:
-    """The training prompt mix: [{id, category, messages}], deterministic from the seed."""
+_PERSONAS = ("a pirate captain", "a famous chef", "a detective in 1920s London", "a tour guide "
+             "in Rome", "a medieval knight", "an astronaut on the Moon", "a kindergarten teacher",
+             "a wise old wizard", "a sports commentator", "a museum curator", "a doctor",
+             "a startup founder pitching to investors", "a park ranger", "a barista",
+             "a librarian", "an elf from a fantasy novel", "a news anchor", "a personal trainer")
+_FORMS = ("a blog post", "a persuasive essay", "a product description", "a cover letter",
+          "a short story", "a poem", "a speech", "a travel guide entry", "a formal email",
+          "a limerick", "a diary entry", "a restaurant review", "a press release",
+          "a letter to a friend", "a motivational message", "a social media post")
+_STEM = ("photosynthesis", "recursion", "the water cycle", "gravity", "machine learning",
+         "the immune system", "plate tectonics", "a hash table", "the Pythagorean theorem",
+         "electric circuits", "vaccines", "black holes", "binary numbers", "renewable energy",
+         "DNA replication", "quantum entanglement", "the speed of light", "enzymes", "entropy",
+         "neural networks", "the periodic table", "volcanoes", "antibiotics", "semiconductors",
+         "climate models", "prime numbers", "sorting algorithms", "the greenhouse effect",
+         "cell division", "nuclear fusion", "public-key cryptography", "ocean currents")
+_HUMANITIES = ("the French Revolution", "democracy", "supply and demand", "inflation",
+               "the Renaissance", "existentialism", "the Cold War", "the Industrial Revolution",
+               "utilitarianism", "the printing press", "globalisation", "the Roman Empire",
+               "impressionist painting", "the Silk Road", "human rights", "opportunity cost",
+               "the role of social media in politics", "Shakespeare's tragedies",
+               "the causes of World War I", "minimalism in architecture", "game theory",
+               "the ethics of artificial intelligence", "the history of jazz", "urbanisation")
+_CODE_TASKS = ("reverses a string", "checks whether a number is prime",
+               "returns the n-th Fibonacci number", "merges two sorted lists",
+               "counts the words in a text", "finds the longest common prefix of a list of "
+               "strings", "removes duplicates from a list while keeping the order",
+               "checks whether a string is a palindrome", "computes the factorial of n",
+               "flattens a nested list", "finds the second largest number in a list",
+               "converts a Roman numeral to an integer", "implements binary search",
+               "validates an email address", "transposes a matrix",
+               "returns the most frequent element of a list", "implements a stack class",
+               "parses a CSV line into fields", "computes the greatest common divisor",
+               "groups a list of words by their anagrams", "implements bubble sort",
+               "counts the vowels in a string", "rotates a list by k positions",
+               "finds all pairs in a list that sum to a target")
+_NAMES = ("Alice", "Bob", "Carol", "David", "Emma", "Frank", "Grace", "Henry", "Ivy", "Jack")
+
+
+def _mtbench_like(rng: random.Random, n: int, paragraphs: list[str]) -> list[tuple[str, str]]:
+    """(category, prompt) pairs in the eight MT-bench categories of Spec-Bench, templated."""
+    out: list[tuple[str, str]] = []
+    for _ in range(n):
+        cat = rng.choice(("writing", "roleplay", "reasoning", "math", "coding", "extraction",
+                          "stem", "humanities"))
+        if cat == "writing":
+            p = f"Write {rng.choice(_FORMS)} about {rng.choice(_TOPICS + _HUMANITIES + _STEM)}."
+            if rng.random() < 0.3:
+                p += f" Keep it under {rng.choice((100, 150, 200, 300))} words."
+        elif cat == "roleplay":
+            p = f"Pretend you are {rng.choice(_PERSONAS)}. " + rng.choice((
+                "Describe your typical day.", f"Explain {rng.choice(_STEM + _HUMANITIES)} to me.",
+                "What advice would you give to someone just starting out?",
+                "Tell me about the most memorable moment of your career.",
+                f"Convince me to visit {rng.choice(('Paris', 'Tokyo', 'Cairo', 'Lima'))}."))
+        elif cat == "reasoning":
+            a, b, c = rng.sample(_NAMES, 3)
+            x, y = rng.randint(2, 9), rng.randint(2, 9)
+            p = rng.choice((
+                f"{a} is taller than {b}, and {b} is taller than {c}. Who is the shortest? "
+                "Explain your reasoning.",
+                f"What comes next in the sequence {x}, {2 * x}, {4 * x}, {8 * x}? Explain.",
+                f"If {a} has {x} apples and gives half to {b}, who then gives {y} to {c}, "
+                f"can {c} have more than {a}? Think step by step.",
+                f"{a} is {x} years older than {b}. In {y} years {a} will be twice as old as "
+                f"{b}. How old is {b} now?",
+                "A bat and a ball cost $1.10 in total. The bat costs $1.00 more than the ball."
+                " How much does the ball cost? Explain step by step.",
+                f"There are {x} red and {y} blue balls in a bag. If you take one at random, "
+                "what is the probability that it is red?"))
+        elif cat == "math":
+            u, v, w = rng.randint(2, 20), rng.randint(1, 50), rng.randint(51, 200)
+            p = rng.choice((f"Solve for x: {u}x + {v} = {w}.",
+                            f"What is the area of a circle with radius {u}?",
+                            f"Find the sum of the first {w} positive integers.",
+                            f"How many ways can you choose {u % 5 + 2} items from {u + 6}?",
+                            f"Find the derivative of f(x) = {u}x^3 + {v}x^2 - x + {w}.",
+                            f"A triangle has sides {u}, {u + 1} and {u + 2}. Is it acute, "
+                            "right or obtuse?",
+                            f"What is {v}% of {w}?",
+                            f"Solve the system: x + y = {w}, x - y = {v}."))
+        elif cat == "coding":
+            lang = rng.choice(("Python", "Python", "JavaScript", "C++", "Java"))
+            p = f"Write a {lang} function that {rng.choice(_CODE_TASKS)}."
+            if rng.random() < 0.3:
+                p += " Explain its time complexity."
+        elif cat == "extraction":
+            what = rng.choice(("names and terms", "numbers and dates", "main claims",
+                               "technical terms", "key facts"))
+            p = (f"Extract the {what} from the following text. Return them as "
+                 f"{rng.choice(('a JSON object', 'a bulleted list', 'a table'))}.\n\n"
+                 f"{rng.choice(paragraphs)}")
+        else:
+            pool = _STEM if cat == "stem" else _HUMANITIES
+            p = rng.choice((f"Explain {rng.choice(pool)} in simple terms.",
+                            f"What are the main ideas behind {rng.choice(pool)}?",
+                            f"Compare {rng.choice(pool)} and {rng.choice(pool)}.",
+                            f"Why does {rng.choice(pool)} matter today? Give examples.",
+                            f"Describe {rng.choice(pool)} to a high-school student."))
+        out.append((cat, p))
+    return out
+
+
+def _gsm8k(path: Path) -> list[str]:
+    """GSM8K's questions (its train.jsonl: one {"question", "answer"} object per line)."""
+    return [json.loads(line)["question"] for line in path.read_text().splitlines()
+            if line.strip()]
+
+
+def _lines(path: Path) -> list[str]:
+    """The lines of a text file (gzip where the name ends with .gz)."""
+    import gzip
+
+    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    return [x.strip() for x in raw.decode("utf-8").splitlines() if x.strip()]
+
+
+def build_prompts(seed: int, gsm8k: Path | None = None, german: Path | None = None,
+                  templated: int = 0, source_max: int = 4000) -> list[dict]:
+    """The training prompt mix: [{id, category, messages}], deterministic from the seed and
+    the files. Optional sources (each adds prompts after the base mix, which they leave as
+    it is): GSM8K's training questions (`gsm8k`, math_reasoning), German sentences to
+    translate into English, one or two a prompt (`german`, Spec-Bench's translation format),
+    and `templated` prompts in the eight MT-bench categories; GSM8K and German give at most
+    `source_max` prompts each (a seeded sample). A prompt whose text is one of Spec-Bench's
+    questions (either split) is dropped."""
     rng = random.Random(seed)
     out: list[dict] = []
     for q in spec_bench():
@@ -156,6 +280,31 @@ def build_prompts(seed: int) -> list[dict]:
                               f"Write a poem about {t}.", f"What are the pros and cons of {c}?"])
         out.append({"id": f"chat-{i}", "category": "chat",
                     "messages": [{"role": "user", "content": content}]})
+    bench = {" ".join(q.turns[0].split()) for q in spec_bench()}
+    extra: list[tuple[str, str, str]] = []  # (id, category, prompt)
+    if gsm8k is not None:
+        qs = list(enumerate(_gsm8k(gsm8k)))
+        random.Random(seed + 4).shuffle(qs)
+        extra += [(f"gsm8k-{i}", "math_reasoning", q) for i, q in sorted(qs[:source_max])]
+    if german is not None:
+        grng = random.Random(seed + 1)
+        sents = _lines(german)
+        grng.shuffle(sents)
+        i, start = 0, len(extra)
+        while i < len(sents) and len(extra) - start < source_max:
+            k = grng.choice((1, 1, 2))
+            extra.append((f"de-{i}", "translation",
+                          "Translate German to English: " + " ".join(sents[i:i + k])))
+            i += k
+    if templated:
+        trng = random.Random(seed + 2)
+        paras = _paragraphs(random.Random(seed + 3), 2000)
+        extra += [(f"tpl-{i}", c, p) for i, (c, p) in
+                  enumerate(_mtbench_like(trng, templated, paras))]
+    for rid, cat, text in extra:
+        if " ".join(text.split()) not in bench:
+            out.append({"id": rid, "category": cat,
+                        "messages": [{"role": "user", "content": text}]})
     rng.shuffle(out)
     return out
 
@@ -253,7 +402,12 @@ def hash_id(s: str) -> int:
 
 
 def read_answers(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """Records of a jsonl file (gzip where the name ends with .gz)."""
+    import gzip
+
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" \
+        else path.read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 # ---------------------------------------------------------------- models
@@ -295,13 +449,14 @@ def own_state(draft) -> dict:
 PROMPT_KEEP = 192  # prompt tokens kept before an answer in training (the most recent)
 
 
-def _batches(records: list[dict], rng: random.Random, max_len: int, batch_tokens: int):
+def _batches(records: list[dict], rng: random.Random, max_len: int, batch_tokens: int,
+             prompt_keep: int = PROMPT_KEEP):
     """Lists of (record index, input_ids, answer start) of similar lengths, about
-    batch_tokens each. The prompt is cut to its last PROMPT_KEEP tokens: the draft's
+    batch_tokens each. The prompt is cut to its last prompt_keep tokens: the draft's
     context in training is shorter than in serving, most of the target's work is saved."""
     seqs = []
     for i, r in enumerate(records):
-        prompt = r["prompt_ids"][-PROMPT_KEEP:]
+        prompt = r["prompt_ids"][-prompt_keep:]
         ids = (prompt + r["output_ids"])[:max_len]
         if len(ids) - len(prompt) >= 2:
             seqs.append((i, ids, len(prompt)))
@@ -572,6 +727,11 @@ def export(job: Job, target, args, evals: list[dict]) -> None:
         made = {"status": job.status, "seed": ck["seed"], "steps": ck["step"],
                 "distilled_tokens": ck["tokens"],
                 "command": "python -m sloserve.train_draft " + " ".join(sys.argv[1:])}
+    if args.from_bundle and made["status"].get("args", {}).get("init_from") not in (None, "None") \
+            and CARD.is_file():  # the draft this run started from: its card, as it was
+        prev = json.loads(CARD.read_text())
+        made["started_from"] = {k: prev[k] for k in ("held_out_agreement", "command", "device",
+                                                      "status", "started_from") if k in prev}
     packed = pack_weights(state)
     draft = make_draft(target, layers)
     draft.load_state_dict(unpack_weights(packed), strict=False)  # measure what ships
@@ -588,6 +748,7 @@ def export(job: Job, target, args, evals: list[dict]) -> None:
 
 
 CORPUS_RECIPE = (
+    "stage 1 (the draft --init-from starts from; its card is kept as started_from): "
     "prompts: build_prompts(seed 0) = the Spec-Bench questions of the training split (first "
     "turns; the held-out split never trained on) + 700 functions of Python's standard library "
     "(explain / type-hint / rewrite / test / find bugs) + 700 paragraphs of stdlib module "
@@ -598,7 +759,155 @@ CORPUS_RECIPE = (
     "checkpoint choice; distillation: full-vocabulary KL(target || draft) on answer tokens "
     "(prompt cut to its last 192 tokens), AdamW lr 1e-3, warm-up 100 steps, cosine to 10%, "
     "16k-token batches; draft = target layers 0..L-1 as initialisation, the target's "
-    "embedding / tied LM head shared and frozen")
+    "embedding / tied LM head shared and frozen. Stage 2 (--gsm8k/--german/--templated): "
+    "the stage-1 mix + 3,000 of GSM8K's training questions (github openai/grade-school-math "
+    "3101c7d, grade_school_math/data/train.jsonl) + 3,000 prompts of one or two German "
+    "sentences of Multi30k's training captions (github multi30k/dataset a3d2e0d, "
+    "data/task1/raw/train.de.gz; 'Translate German to English: ...', Spec-Bench's form) + "
+    "8,000 templated prompts in the eight MT-bench categories (writing, roleplay, reasoning, "
+    "math, coding, extraction, stem, humanities); prompts equal to a Spec-Bench question "
+    "dropped; answers by FastLlama (bf16), up to 320 new tokens, round 0 greedy, later "
+    "rounds temperature 0.7 until the generation cap; distillation as in stage 1 but the "
+    "prompt cut to its last 768 tokens, sequences of at most 1152 tokens, 32k-token batches, "
+    "the draft's LM head applied at answer positions only")
+
+
+# ---------------------------------------------------------------- the accelerator's generator
+#
+# transformers' `generate` reached 5.9k tokens/s on an H200 (2026-11-26): its cache grows by
+# concatenation, GQA heads are copied out per step and finished rows decode on to the end.
+# This is the target's own forward over a preallocated KV cache, batched, with finished
+# rows dropped as they finish. Rows are left-padded; each row's RoPE position is its slot
+# minus its padding, the same positions transformers gives a left-padded batch.
+
+class FastLlama:
+    """A Llama (transformers' LlamaForCausalLM weights, shared, not copied) that generates
+    a batch of prompts with a static KV cache [B, kv_heads, T, head_dim] per layer."""
+
+    def __init__(self, hf):
+        import torch
+
+        c = hf.config
+        self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // self.heads
+        self.eps = c.rms_norm_eps
+        self.embed = hf.model.embed_tokens.weight  # [V, H], tied LM head
+        self.norm = hf.model.norm.weight
+        self.layers = [(lyr.input_layernorm.weight, lyr.self_attn.q_proj.weight,
+                        lyr.self_attn.k_proj.weight, lyr.self_attn.v_proj.weight,
+                        lyr.self_attn.o_proj.weight, lyr.post_attention_layernorm.weight,
+                        lyr.mlp.gate_proj.weight, lyr.mlp.up_proj.weight,
+                        lyr.mlp.down_proj.weight) for lyr in hf.model.layers]
+        theta = float(getattr(c, "rope_theta", None)
+                      or (getattr(c, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
+        d = self.head_dim
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32,
+                                                      device=self.embed.device) / d))
+
+    def _rms(self, x, w):
+        import torch
+
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(w.dtype)
+
+    def _rope(self, x, pos):
+        """x [B, h, n, d], pos [B, n] (int) -> x rotated at its positions."""
+        import torch
+
+        f = pos.float()[..., None] * self.inv_freq  # [B, n, d/2]
+        emb = torch.cat((f, f), -1)[:, None]  # [B, 1, n, d]
+        cos, sin = emb.cos(), emb.sin()
+        half = x.shape[-1] // 2
+        rot = torch.cat((-x[..., half:], x[..., :half]), -1)
+        return (x.float() * cos + rot.float() * sin).to(x.dtype)
+
+    def generate(self, prompts: list[list[int]], max_new: int, eos: int, temperature: float,
+                 generator=None, min_rows: int = 32,
+                 chunk_tokens: int = 2**20) -> list[list[int]]:
+        """Each prompt's answer (up to and with its first EOS, at most max_new tokens);
+        greedy where temperature == 0, else sampled at that temperature. Once half of the
+        live rows (at least min_rows) have finished, they leave the batch and its cache. The
+        prompts are read in chunks of about chunk_tokens padded positions."""
+        import torch
+        import torch.nn.functional as F
+
+        dev, dt = self.embed.device, self.embed.dtype
+        B, P = len(prompts), max(len(p) for p in prompts)
+        T = P + max_new
+        pad = torch.tensor([P - len(p) for p in prompts], device=dev)
+        ids = torch.full((B, P), eos, dtype=torch.long, device=dev)
+        for b, p in enumerate(prompts):
+            ids[b, P - len(p):] = torch.tensor(p, device=dev)
+        slots = torch.arange(T, device=dev)
+        valid = slots[None, :] >= pad[:, None]  # [B, T]: key slots holding a real token
+        h, g, d = self.heads, self.heads // self.kv_heads, self.head_dim
+        kv = [(torch.empty((B, self.kv_heads, T, d), dtype=dt, device=dev),
+               torch.empty((B, self.kv_heads, T, d), dtype=dt, device=dev))
+              for _ in self.layers]
+        # prefill, in chunks of rows (bounded scratch memory): causal over real tokens; a
+        # padding position attends to itself (no NaN rows; no real token reads it)
+        pos = (slots[None, :P] - pad[:, None]).clamp(min=0)  # [B, P]
+        causal = torch.ones((P, P), dtype=torch.bool, device=dev).tril()[None]
+        eye = torch.eye(P, dtype=torch.bool, device=dev)[None]
+        last = torch.empty((B, self.embed.shape[1]), dtype=dt, device=dev)  # [B, H]
+        rows = max(1, min(chunk_tokens // P, int(2**31 // (h * P * P * 4))))
+        for r0 in range(0, B, rows):
+            r = slice(r0, r0 + rows)
+            allow = ((causal & valid[r, None, :P]) | eye)[:, None]  # [b, 1, P, P]
+            x = F.embedding(ids[r], self.embed)  # [b, P, H]
+            b = x.shape[0]
+            for (n1, wq, wk, wv, wo, n2, wg, wu, wd), (K, V) in zip(self.layers, kv):
+                y = self._rms(x, n1)
+                q = self._rope((y @ wq.T).view(b, P, h, d).transpose(1, 2), pos[r])
+                K[r, :, :P] = self._rope((y @ wk.T).view(b, P, -1, d).transpose(1, 2), pos[r])
+                V[r, :, :P] = (y @ wv.T).view(b, P, -1, d).transpose(1, 2)
+                att = F.scaled_dot_product_attention(  # kv head j serves q heads j*g..j*g+g-1
+                    q, K[r, :, :P].repeat_interleave(g, 1), V[r, :, :P].repeat_interleave(g, 1),
+                    attn_mask=allow)
+                x = x + att.transpose(1, 2).reshape(b, P, h * d) @ wo.T
+                y = self._rms(x, n2)
+                x = x + (F.silu(y @ wg.T) * (y @ wu.T)) @ wd.T
+            last[r] = self._rms(x[:, -1], self.norm)
+        out = torch.full((B, max_new), eos, dtype=torch.long, device=dev)
+        row = torch.arange(B, device=dev)  # the original row of each live row
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        bias = torch.zeros((B, T), dtype=torch.float32, device=dev).masked_fill_(~valid, -math.inf)
+        for s in range(max_new):
+            logits = (last @ self.embed.T).float()  # [b, V]
+            if temperature > 0:
+                tok = torch.multinomial(F.softmax(logits / temperature, -1), 1,
+                                        generator=generator)[:, 0]
+            else:
+                tok = logits.argmax(-1)
+            out[row, s] = tok
+            done = done | (tok == eos)
+            if s == max_new - 1 or bool(done.all()):
+                break
+            if len(row) >= min_rows and int(done.sum()) * 2 >= len(row):  # drop finished rows
+                keep = (~done).nonzero()[:, 0]
+                kv = [(K[keep], V[keep]) for K, V in kv]
+                row, done, tok, pad, bias = row[keep], done[keep], tok[keep], pad[keep], bias[keep]
+            t = P + s  # the slot this token's K/V goes to
+            n = len(row)
+            x = F.embedding(tok, self.embed)[:, None]  # [n, 1, H]
+            p1 = (t - pad)[:, None]
+            for (n1, wq, wk, wv, wo, n2, wg, wu, wd), (K, V) in zip(self.layers, kv):
+                y = self._rms(x, n1)
+                q = self._rope((y @ wq.T).view(n, 1, h, d).transpose(1, 2), p1)
+                K[:, :, t:t + 1] = self._rope((y @ wk.T).view(n, 1, -1, d).transpose(1, 2), p1)
+                V[:, :, t:t + 1] = (y @ wv.T).view(n, 1, -1, d).transpose(1, 2)
+                qg = q.view(n, self.kv_heads, g, d)  # q heads j*g .. j*g+g-1 read kv head j
+                sc = (qg @ K[:, :, :t + 1].transpose(-1, -2)).float() / math.sqrt(d)
+                pr = F.softmax(sc + bias[:, None, None, :t + 1], -1).to(dt)
+                a = (pr @ V[:, :, :t + 1]).reshape(n, 1, h * d)  # [n, kv, g, d] -> [n, 1, h*d]
+                x = x + a @ wo.T
+                y = self._rms(x, n2)
+                x = x + (F.silu(y @ wg.T) * (y @ wu.T)) @ wd.T
+            last = self._rms(x[:, 0], self.norm)
+        res = []
+        for o in out.tolist():
+            res.append(o[:o.index(eos) + 1] if eos in o else o)
+        return res
 
 
 # ---------------------------------------------------------------- the accelerator flow
@@ -628,12 +937,13 @@ def load_prompt_records(path: Path, target_dir: Path, max_prompt: int) -> list[d
 
 
 def generate_batched(job: Job, target, prompts: list[dict], path: Path, rounds: int,
-                     max_new: int, kv_positions: int, deadline: float, seed: int) -> None:
+                     max_new: int, kv_positions: int, deadline: float, seed: int,
+                     fast: FastLlama | None = None) -> None:
     """Append the target's answers (round 0 greedy, later rounds temperature 0.7) to `path`,
     batches of similar prompt lengths with at most `kv_positions` padded positions each,
-    until every round is done or the deadline passes (checked between batches)."""
+    until every round is done or the deadline passes (checked between batches); with
+    `fast`, generated by FastLlama, else by transformers' `generate`."""
     import torch
-    from transformers import GenerationConfig
 
     eos = int(target.config.eos_token_id)
     pad = int(target.config.pad_token_id if target.config.pad_token_id is not None else eos)
@@ -660,23 +970,15 @@ def generate_batched(job: Job, target, prompts: list[dict], path: Path, rounds: 
                     break
                 part.append(todo[i])
                 i += 1
-            n = max(len(r["prompt_ids"]) for r in part)
-            ids = torch.full((len(part), n), pad, dtype=torch.long)
-            att = torch.zeros((len(part), n), dtype=torch.long)
-            for b, r in enumerate(part):  # left padding
-                ids[b, n - len(r["prompt_ids"]):] = torch.tensor(r["prompt_ids"])
-                att[b, n - len(r["prompt_ids"]):] = 1
-            torch.manual_seed(seed * 1000 + rnd * 100_003 + i)
-            gc = GenerationConfig(max_new_tokens=max_new, do_sample=not greedy,
-                                  temperature=0.7 if not greedy else None, top_k=None,
-                                  top_p=None, eos_token_id=eos, pad_token_id=pad)
-            with torch.no_grad():
-                out = target.generate(input_ids=ids.to(dev), attention_mask=att.to(dev),
-                                      generation_config=gc)[:, n:].tolist()
+            if fast is not None:  # sloserve's own batched forward (FastLlama)
+                gen = torch.Generator(device=dev).manual_seed(seed * 1000 + rnd * 100_003 + i)
+                out = fast.generate([r["prompt_ids"] for r in part], max_new, eos,
+                                    0.0 if greedy else 0.7, gen)
+            else:
+                out = _hf_generate(target, part, max_new, eos, pad, greedy,
+                                   seed * 1000 + rnd * 100_003 + i)
             with open(path, "a") as f:
                 for r, o in zip(part, out):
-                    if eos in o:
-                        o = o[:o.index(eos) + 1]  # the answer ends with its EOS
                     f.write(json.dumps({"id": f"{r['id']}#{rnd}", "category": r["category"],
                                         "prompt_ids": r["prompt_ids"], "output_ids": o,
                                         "greedy": greedy}) + "\n")
@@ -687,6 +989,29 @@ def generate_batched(job: Job, target, prompts: list[dict], path: Path, rounds: 
                        generate_tokens_per_s=round(rate, 1))
             log.info("round %d: %d/%d prompts, %d answer tokens (%.0f tokens/s)", rnd, i,
                      len(todo), tokens, rate)
+
+
+def _hf_generate(target, part: list[dict], max_new: int, eos: int, pad: int, greedy: bool,
+                 seed: int) -> list[list[int]]:
+    """transformers' `generate` on a left-padded batch (the reference FastLlama matches)."""
+    import torch
+    from transformers import GenerationConfig
+
+    dev = next(target.parameters()).device
+    n = max(len(r["prompt_ids"]) for r in part)
+    ids = torch.full((len(part), n), pad, dtype=torch.long)
+    att = torch.zeros((len(part), n), dtype=torch.long)
+    for b, r in enumerate(part):  # left padding
+        ids[b, n - len(r["prompt_ids"]):] = torch.tensor(r["prompt_ids"])
+        att[b, n - len(r["prompt_ids"]):] = 1
+    torch.manual_seed(seed)
+    gc = GenerationConfig(max_new_tokens=max_new, do_sample=not greedy,
+                          temperature=0.7 if not greedy else None, top_k=None,
+                          top_p=None, eos_token_id=eos, pad_token_id=pad)
+    with torch.no_grad():
+        out = target.generate(input_ids=ids.to(dev), attention_mask=att.to(dev),
+                              generation_config=gc)[:, n:].tolist()
+    return [o[:o.index(eos) + 1] if eos in o else o for o in out]  # ends with its EOS
 
 
 def _is_validation(rec_id: str) -> bool:
@@ -706,6 +1031,16 @@ def distil_live(job: Job, target, answers: list[dict], evals: list[dict], layers
     train = [r for r in answers if not _is_validation(r["id"])]
     val = [r for r in answers if _is_validation(r["id"]) and r.get("greedy")][:200]
     drafts = {n: make_draft(target, n).to(dev) for n in layers}
+    if args.init_from is not None:  # go on from a shipped draft (int8 per row, as packed)
+        from safetensors.torch import load_file
+
+        from sloserve.runtime.models.smollm2_draft import unpack_weights
+
+        init = unpack_weights(load_file(str(args.init_from)))
+        depth = 1 + max(int(k.split(".")[2]) for k in init if k.startswith("model.layers."))
+        if depth in drafts:
+            drafts[depth].load_state_dict(init, strict=False)
+            log.info("the %d-layer draft starts from %s", depth, args.init_from)
     for d in drafts.values():  # own layers in float32 (autocast computes in bf16)
         for p in d.parameters():
             if p.requires_grad:
@@ -736,9 +1071,14 @@ def distil_live(job: Job, target, answers: list[dict], evals: list[dict], layers
             on_check({n: b[1] for n, b in best.items()})
         return res
 
+    if args.init_from is not None:  # where the start stands (and a candidate for best)
+        res = check()
+        job.update(initial_checks={str(n): r for n, r in res.items()})
+        log.info("before training: %s", {n: (r["validation"], r["held_out"])
+                                          for n, r in res.items()})
     while tokens_seen < total and time.time() < deadline:
         batches = _batches(train, random.Random(args.seed * 1000 + epoch), args.max_len,
-                           args.batch_tokens)
+                           args.batch_tokens, args.prompt_keep)
         for batch in batches:
             if tokens_seen >= total or time.time() > deadline:
                 break
@@ -753,8 +1093,9 @@ def distil_live(job: Job, target, answers: list[dict], evals: list[dict], layers
             for n, d in drafts.items():
                 for g in opts[n].param_groups:
                     g["lr"] = lr
-                with amp:
-                    d_logits = d(input_ids=ids, attention_mask=att).logits[mask]
+                with amp:  # the shared head only at answer positions
+                    d_logits = d.model(input_ids=ids,
+                                       attention_mask=att).last_hidden_state[mask] @ embed.T
                 d_logp = F.log_softmax(d_logits.float(), -1)
                 loss = F.kl_div(d_logp, t_logp, log_target=True, reduction="batchmean")
                 opts[n].zero_grad(set_to_none=True)
@@ -811,12 +1152,36 @@ def write_bundle(bundle: Path, job: Job, states: dict, answers_path: Path | None
             part[name] = t
             size += t.numel() * 2
         save_file(part, str(bundle / f"draft{n}-{k}.safetensors"))
-    if answers_path is not None and answers_path.is_file():
+    if answers_path is not None and answers_path.is_file() \
+            and answers_path.stat().st_size < 40 * 2**20:  # else too large to send back
         with open(answers_path, "rb") as src, gzip.open(bundle / "answers.jsonl.gz", "wb") as dst:
             shutil.copyfileobj(src, dst)
     for name in ("status.json", "log.txt"):
         if (job.out / name).is_file():
             shutil.copy(job.out / name, bundle / name)
+
+
+def check_fast(target_dir: Path, prompts: list[dict], dev, n: int = 8) -> tuple[int, int]:
+    """FastLlama against transformers' `generate` in float32 on `dev` (no TF32), greedy, 32
+    new tokens, on n prompts spread over the lengths: (answers the same, n)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        m = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
+        m = m.to(dev).eval().requires_grad_(False)  # type: ignore[arg-type]
+        order = sorted(prompts, key=lambda r: len(r["prompt_ids"]))
+        part = order[::max(1, len(order) // n)][:n]
+        eos = int(m.config.eos_token_id)
+        with torch.no_grad():
+            a = FastLlama(m).generate([r["prompt_ids"] for r in part], 32, eos, 0.0)
+        b = _hf_generate(m, part, 32, eos, eos, True, 0)
+        del m
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    return sum(x == y for x, y in zip(a, b)), len(part)
 
 
 def run_accelerated(job: Job, target_dir: Path, args) -> None:
@@ -830,11 +1195,22 @@ def run_accelerated(job: Job, target_dir: Path, args) -> None:
     target = target.to(dev).eval().requires_grad_(False)  # type: ignore[arg-type]
     prompts_path = args.prompts or (job.out / "prompts.jsonl")
     if not prompts_path.is_file():
-        prompts_path.write_text("".join(json.dumps(q) + "\n" for q in build_prompts(args.seed)))
+        prompts_path.write_text("".join(json.dumps(q) + "\n" for q in build_prompts(
+            args.seed, args.gsm8k, args.german, args.templated, args.source_max)))
     prompts = load_prompt_records(prompts_path, target_dir, args.max_prompt)
+    fast = None
+    if args.generator == "fast":
+        same, n = check_fast(target_dir, prompts, dev)
+        job.update(fast_check={"same_as_transformers": same, "of": n})
+        log.info("FastLlama vs transformers' generate (float32, greedy, 32 tokens): %d of %d "
+                 "answers the same", same, n)
+        if same < n - 1:  # a near-tie may flip one answer; more is a bug
+            raise SystemExit(f"error: FastLlama disagrees with transformers on {n - same} of "
+                             f"{n} greedy answers; rerun with --generator hf")
+        fast = FastLlama(target)
     answers_path = job.out / "answers.jsonl"
     generate_batched(job, target, prompts, answers_path, args.rounds, args.max_new,
-                     args.kv_positions, t0 + args.gen_minutes * 60, args.seed)
+                     args.kv_positions, t0 + args.gen_minutes * 60, args.seed, fast)
     answers = read_answers(answers_path)
     job.update(answers=len(answers), answer_tokens=sum(len(r["output_ids"]) for r in answers),
                generate_seconds=round(time.time() - t0, 1))
@@ -899,6 +1275,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-len", type=int, default=640)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--checkpoint-minutes", type=float, default=4.0)
+    p.add_argument("--prompt-keep", type=int, default=PROMPT_KEEP,
+                   help="prompt tokens kept before an answer in distillation (the latest)")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="(cuda) start the draft of that depth from a shipped draft's weights")
+    p.add_argument("--generator", choices=("fast", "hf"), default="fast",
+                   help="(cuda) who generates: sloserve's batched forward or transformers'")
+    p.add_argument("--gsm8k", type=Path, default=None,
+                   help="add GSM8K's training questions (its train.jsonl) to the prompt mix")
+    p.add_argument("--german", type=Path, default=None,
+                   help="add German sentences (a text file, .gz read) to translate")
+    p.add_argument("--source-max", type=int, default=4000,
+                   help="most prompts taken from each of --gsm8k and --german")
+    p.add_argument("--templated", type=int, default=0,
+                   help="add this many templated prompts in the MT-bench categories")
+    p.add_argument("--write-prompts", type=Path, default=None,
+                   help="write the prompt mix (jsonl, gzip where it ends .gz) and stop")
     p.add_argument("--eval-minutes", type=float, default=15.0)
     args = p.parse_args(argv)
     try:  # a list (2,4) trains several drafts side by side: with --device cuda only
@@ -910,6 +1302,17 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"argument --layers: {args.layers!r}: one positive number (a list such as "
                 f"2,4 trains several drafts with --device cuda; --export takes one)")
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(message)s")
+    for opt in ("gsm8k", "german"):
+        if getattr(args, opt) is not None and not getattr(args, opt).is_file():
+            p.error(f"argument --{opt}: no such file: {getattr(args, opt)}")
+    if args.write_prompts is not None:
+        import gzip
+
+        text = "".join(json.dumps(q) + "\n" for q in build_prompts(
+            args.seed, args.gsm8k, args.german, args.templated, args.source_max)).encode()
+        args.write_prompts.write_bytes(gzip.compress(text, mtime=0)
+                                       if args.write_prompts.suffix == ".gz" else text)
+        return 0
     import torch
 
     torch.set_num_threads(args.threads)
@@ -931,7 +1334,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args.layers = int(args.layers)
     if args.phase in ("all", "generate"):
-        prompts = build_prompts(args.seed)
+        prompts = build_prompts(args.seed, args.gsm8k, args.german, args.templated,
+                                args.source_max)
         (job.out / "prompts.jsonl").write_text("".join(json.dumps(q) + "\n" for q in prompts))
         evals = eval_prompts()
         generate(job, evals, job.out / "eval_answers.jsonl", 192, args.threads, 10**9,
