@@ -3,6 +3,9 @@
     python -m sloserve.train_draft --out ~/.cache/sloserve/train-draft/run1   # all phases
     python -m sloserve.train_draft --out DIR --phase eval                      # agreement only
     python -m sloserve.train_draft --out DIR --export                          # ship the weights
+    python -m sloserve.train_draft --out DIR --phase eval-answers   # held-out answers only
+    python -m sloserve.train_draft --write-prompts P.jsonl.gz --gsm8k G --german D --templated N
+    python -m sloserve.train_draft --device cuda --prompts P.jsonl.gz ...      # on a GPU
 
 Phases (each resumes where the last run stopped; a run can span sessions):
 1. prompts: a deterministic prompt mix from the seed: the Spec-Bench questions of the
@@ -19,7 +22,11 @@ Phases (each resumes where the last run stopped; a run can span sessions):
    autocast where the CPU has bf16 matmuls, AdamW with warm-up and cosine decay, a
    checkpoint every --checkpoint-minutes (atomic), the data order fixed by the seed.
 4. eval: held-out greedy per-token top-1 agreement with the target, per category, on the
-   target's greedy answers to the held-out Spec-Bench prompts.
+   target's greedy answers to the held-out Spec-Bench prompts (kept whole up to 4,096
+   tokens).
+
+With --device cuda the same recipe runs at GPU scale (the section "the accelerator flow"
+below): FastLlama answers in large batches, the teacher's logits are computed live.
 
 Where the job stands is always in DIR/status.json (and DIR/log.txt), not only on the
 terminal. --export writes the draft's own weights (not the shared embedding) and its card
@@ -309,6 +316,10 @@ def build_prompts(seed: int, gsm8k: Path | None = None, german: Path | None = No
     return out
 
 
+EVAL_NEW = 192  # tokens of each held-out greedy answer
+EVAL_PROMPT = 4096  # held-out prompts are kept whole up to this (RAG and summarisation are long)
+
+
 def eval_prompts() -> list[dict]:
     return [{"id": f"sb-{q.question_id}", "category": q.category,
              "messages": [{"role": "user", "content": q.turns[0]}]}
@@ -348,10 +359,17 @@ def _engine(threads: int):
                                                          max_step_tokens=4096)))
 
 
+def fit_prompt(ids: list[int], limit: int, tail: int = 8) -> list[int]:
+    """A prompt of at most `limit` tokens: a longer one keeps its head and its last `tail`
+    tokens (the chat template's assistant header), so it is still a question to answer."""
+    return ids if len(ids) <= limit else ids[:limit - tail] + ids[-tail:]
+
+
 def generate(job: Job, prompts: list[dict], path: Path, max_new: int, threads: int,
-             token_budget: int, sample_every: int = 4) -> None:
+             token_budget: int, sample_every: int = 4, max_prompt: int = 768) -> None:
     """Append the target's answers to `path` (jsonl), skipping prompts already answered,
-    until every prompt is answered or `token_budget` answer tokens are on disk."""
+    until every prompt is answered or `token_budget` answer tokens are on disk. Prompts
+    over max_prompt tokens are cut by fit_prompt."""
     from tqdm import tqdm
 
     from sloserve.runtime.request import SamplingParams
@@ -374,7 +392,8 @@ def generate(job: Job, prompts: list[dict], path: Path, max_new: int, threads: i
         part = todo[i:i + chunk]
         texts = [tok.apply_chat_template(p["messages"], add_generation_prompt=True,
                                           tokenize=False) for p in part]
-        ids = [tok(t, add_special_tokens=False)["input_ids"][:768] for t in texts]
+        ids = [fit_prompt(tok(t, add_special_tokens=False)["input_ids"], max_prompt)
+               for t in texts]
         params = [SamplingParams(max_new_tokens=max_new, temperature=0.7,
                                  seed=hash_id(p["id"]))
                   if sample_every and hash_id(p["id"]) % sample_every == 0 else
@@ -1238,7 +1257,9 @@ def main(argv: list[str] | None = None) -> int:
                                 description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=cache_root() / "train-draft" / "run1",
                    help="the job's folder: status.json, log.txt, answers, checkpoint")
-    p.add_argument("--phase", choices=("all", "generate", "distil", "eval"), default="all")
+    p.add_argument("--phase", choices=("all", "generate", "distil", "eval", "eval-answers"),
+                   default="all", help="eval-answers: only (re)write OUT/eval_answers.jsonl, "
+                   "the target's greedy answers to the held-out questions")
     p.add_argument("--export", action="store_true",
                    help="write the checkpoint's draft into sloserve/runtime/models/drafts/")
     p.add_argument("--seed", type=int, default=0)
@@ -1333,13 +1354,17 @@ def main(argv: list[str] | None = None) -> int:
         run_accelerated(job, target_dir, args)
         return 0
     args.layers = int(args.layers)
+    if args.phase == "eval-answers":
+        generate(job, eval_prompts(), job.out / "eval_answers.jsonl", EVAL_NEW, args.threads,
+                 10**9, sample_every=0, max_prompt=EVAL_PROMPT)
+        return 0
     if args.phase in ("all", "generate"):
         prompts = build_prompts(args.seed, args.gsm8k, args.german, args.templated,
                                 args.source_max)
         (job.out / "prompts.jsonl").write_text("".join(json.dumps(q) + "\n" for q in prompts))
         evals = eval_prompts()
-        generate(job, evals, job.out / "eval_answers.jsonl", 192, args.threads, 10**9,
-                 sample_every=0)  # greedy: agreement is measured on the target's greedy path
+        generate(job, evals, job.out / "eval_answers.jsonl", EVAL_NEW, args.threads, 10**9,
+                 sample_every=0, max_prompt=EVAL_PROMPT)  # greedy: the path greedy accepts
         generate(job, prompts, job.out / "answers.jsonl", args.max_new, args.threads,
                  args.gen_tokens)
     if args.phase == "generate":
