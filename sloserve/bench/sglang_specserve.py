@@ -60,10 +60,8 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
-from sloserve.bench.common import machine_info, print_table, write_json
-from sloserve.replay.specbench import ordinary_prompts
+from sloserve.bench.common import bench_prompts, machine_info, print_table, write_json
 from sloserve.sglang_cpu.cpu_server import stop_server, wait_ready
 
 REPO = Path(__file__).resolve().parents[2]
@@ -377,32 +375,6 @@ def main(argv: list[str] | None = None) -> int:
                           "results": {s: {str(c): v for c, v in r.items()}
                                       for s, r in results.items()}})
     return 0
-
-
-def bench_prompts(target: str, prompt_tokens: int, chat: str) -> tuple[list[list[int]], bool]:
-    """(64 prompts as token ids, whether in the chat template): Spec-Bench questions, its
-    categories round-robin (so every batch mixes them), cut to prompt_tokens."""
-    questions = ordinary_prompts(64)
-    if chat != "off":
-        from transformers import AutoTokenizer
-
-        hf = AutoTokenizer.from_pretrained(target)
-        if hf.chat_template:
-            ids: list[list[int]] = []
-            for q in questions:
-                enc: Any = hf.apply_chat_template(
-                    [{"role": "user", "content": q[:4 * prompt_tokens]}],
-                    add_generation_prompt=True, tokenize=True, return_dict=True)
-                ids.append([int(t) for t in enc["input_ids"]])
-            # a long question keeps its head and the template's tail (the assistant turn)
-            return [x if len(x) <= prompt_tokens else x[: prompt_tokens - 8] + x[-8:]
-                    for x in ids], True
-        if chat == "on":
-            sys.exit(f"--chat on: {target} has no chat template")
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(Path(target) / "tokenizer.json"))
-    return [tok.encode(q).ids[:prompt_tokens] for q in questions], False
 
 
 if __name__ == "__main__":

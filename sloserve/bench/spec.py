@@ -1,8 +1,11 @@
-"""Closed-loop speculative decoding benchmark on the built-in pair: every policy side by side,
-at several batch sizes, in one process (models loaded once, policies swapped).
+"""Closed-loop speculative decoding benchmark on the built-in pair (or --model: a directory
+or a preset such as smollm2, with Spec-Bench questions in its chat template, answers ending
+at its stop token): every policy side by side, at several batch sizes, in one process
+(models loaded once, policies swapped).
 
     python -m sloserve.bench.spec --policies ar,fixed:1,fixed:3,fixed:5 --batches 1,4,16,32
     python -m sloserve.bench.spec --policies ar,fixed:3,specserve --batches 8 --tpot-slo 45ms
+    python -m sloserve.bench.spec --model smollm2 --policies ar,fixed:3,specserve-slo
 
 Batch b = b requests in flight, closed loop: n = max(b * --requests-per-slot, --min-requests)
 ordinary prompts (cut to --prompt-tokens, greedy, ignore_eos) taken in a cycle, the next one
@@ -28,13 +31,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from sloserve.bench.common import machine_info, print_table, write_json
+from sloserve.bench.common import bench_prompts, machine_info, print_table, write_json
 from sloserve.policies.registry import make_policy
 from sloserve.replay.specbench import ordinary_prompts
 from sloserve.runtime.config import EngineConfig
 from sloserve.runtime.engine import Engine
 from sloserve.runtime.kv_cache import BlockAllocator, KVStorage
 from sloserve.runtime.model_runner import ModelRunner
+from sloserve.runtime.models.presets import resolve_dir
 from sloserve.runtime.request import SamplingParams
 from sloserve.runtime.scheduler import SchedulerConfig
 from sloserve.runtime.stats import EngineStats
@@ -52,13 +56,14 @@ class ClosedLoop:
     that produced them."""
 
     def __init__(self, eng: Engine, prompts: list[list[int]], new_tokens: int | list[int],
-                 concurrency: int | None = None) -> None:
-        """new_tokens: output length of every request, or of each prompt's requests."""
+                 concurrency: int | None = None, ignore_eos: bool = True) -> None:
+        """new_tokens: output length of every request, or of each prompt's requests (the
+        most, where ignore_eos is False and a request ends at its stop token)."""
         eng.stats = eng.runner.stats = EngineStats(k_max=eng.cfg.k_max)
         self.eng = eng
         self.prompts = prompts
         lengths = [new_tokens] * len(prompts) if isinstance(new_tokens, int) else new_tokens
-        self.params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+        self.params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=ignore_eos)
                        for n in lengths]
         self.slo = eng.cfg.tpot_slo or float("inf")
         self.concurrency = concurrency or len(prompts)
@@ -220,12 +225,18 @@ def main(argv=None) -> dict:
                          "engine step each in turn")
     ap.add_argument("--kv-tokens", type=int, default=16384,
                     help="KV capacity of each policy's engine, in tokens")
+    ap.add_argument("--model", default=None,
+                    help="target: a directory or a preset (default: the built-in pair; "
+                         "smollm2: the real model and its distilled draft)")
+    ap.add_argument("--chat", choices=("auto", "on", "off"), default="auto",
+                    help="with --model: prompts in the target's chat template, answers end at "
+                         "its stop token (auto: when the target has a template)")
     ap.add_argument("--out", default="out/bench_spec.json")
     args = ap.parse_args(argv)
     policies = args.policies.split(",")
     batches = [int(b) for b in args.batches.split(",")]
     base = Engine(EngineConfig(
-        spec_policy="fixed:1", k_max=args.k_max, tpot_slo=args.tpot_slo, drafter=args.drafter,
+        model_path=args.model, spec_policy="fixed:1", k_max=args.k_max, tpot_slo=args.tpot_slo, drafter=args.drafter,
         kv_cache_tokens=args.kv_tokens,
         scheduler=SchedulerConfig(max_running_requests=max(batches), max_step_tokens=8192),
     ))
@@ -235,9 +246,14 @@ def main(argv=None) -> dict:
     rows = []
     for b in batches:
         n = max(round(b * args.requests_per_slot), args.min_requests)
-        prompts = [base.encode(p) for p in ordinary_prompts(n)]
-        if args.prompt_tokens:
-            prompts = [p[: args.prompt_tokens] for p in prompts]
+        chat = False
+        if args.model is not None:  # Spec-Bench questions, in the chat template if any
+            prompts, chat = bench_prompts(str(resolve_dir(args.model)),
+                                          args.prompt_tokens or 10**9, args.chat, n)
+        else:
+            prompts = [base.encode(p) for p in ordinary_prompts(n)]
+            if args.prompt_tokens:
+                prompts = [p[: args.prompt_tokens] for p in prompts]
         # output lengths spread around --new-tokens, so requests finish at different steps
         # and the closed loop settles into a steady mix of prefills and decodes instead of
         # waves of b prefills at once
@@ -249,7 +265,8 @@ def main(argv=None) -> dict:
         runs: dict[str, list[dict]] = {p: [] for p in policies}
         for rep in range(args.repeats):
             order = policies[rep % len(policies):] + policies[: rep % len(policies)]
-            loops = [ClosedLoop(engines[name], prompts, lengths, b) for name in order]
+            loops = [ClosedLoop(engines[name], prompts, lengths, b, ignore_eos=not chat)
+                     for name in order]
             for name, res in zip(order, run_loops(loops, n, interleave=not args.sequential)):
                 runs[name].append(res)
         for name in policies:
