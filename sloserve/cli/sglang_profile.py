@@ -63,9 +63,21 @@ from sloserve.sglang_ext import settings
 WARMUP_REQUESTS = 2
 
 
-def fit_rows(rows: Sequence[dict], target_path: str, draft_path: str, device: str,
+def profiled_drafter(rest: list[str]) -> tuple[list[str], str]:
+    """(the launcher's arguments, the drafter profiled): the draft model unless --drafter
+    says otherwise. The launcher's default for a preset may be prompt lookup (smollm2's), but
+    a profile is for pricing the draft's forwards, and the n-gram mode prices from the draft
+    model's profile with the draft free (settings.load_cost); profiling prompt lookup
+    under the draft model's name would price that draft as free."""
+    if "--drafter" in rest:
+        return rest, rest[rest.index("--drafter") + 1]
+    return rest + ["--drafter", "model"], "model"
+
+
+def fit_rows(rows: Sequence[dict], target_path: str, draft_path: str | None, device: str,
              dtype: str, levels: Sequence[int]) -> Profile:
-    """The profile of timing rows (one per decode step, controller.py's JSON lines)."""
+    """The profile of timing rows (one per decode step, controller.py's JSON lines);
+    draft_path None: the n-gram drafter's (draft key "ngram")."""
     target: list[tuple[float, float, float]] = []  # verify forwards of drafting steps
     plain: list[tuple[float, float, float]] = []  # decode forwards of plain steps
     draft, plain_rest, rest = [], [], []
@@ -92,7 +104,8 @@ def fit_rows(rows: Sequence[dict], target_path: str, draft_path: str, device: st
     overhead = statistics.median(plain_rest or rest)
     return Profile(
         target=ModelProfile(target_path, fingerprint(target_path), t_cost, t_fit.stats),
-        draft=ModelProfile(draft_path, fingerprint(draft_path), d_fit.cost, d_fit.stats),
+        draft=ModelProfile(draft_path, fingerprint(draft_path), d_fit.cost, d_fit.stats)
+        if draft_path is not None else ModelProfile("ngram", "", d_fit.cost, d_fit.stats),
         device=settings.sglang_device_key(device), dtype=dtype, overhead=max(0.0, overhead),
         verify_fixed=verify_fixed,
         grid={"concurrency": list(levels), "steps": [len(rows)]}, mode="sglang-sweep",
@@ -161,6 +174,7 @@ def main(argv: Sequence[str]) -> int:
               file=sys.stderr)
         return 2
     levels = [int(x) for x in args.levels.split(",")]
+    rest, drafter = profiled_drafter(rest)
     if "--dtype" not in rest:
         rest += ["--dtype", "float32"]
     if "--port" not in rest:
@@ -200,7 +214,9 @@ def main(argv: Sequence[str]) -> int:
     if args.rows_out:
         args.rows_out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     device = "cuda" if "--device" not in cmd else cmd[cmd.index("--device") + 1]
-    profile = fit_rows(rows, target, draft, device, dtype, levels)
+    # the n-gram drafter's profile goes under its own key ("ngram"), never the draft model's
+    profile = fit_rows(rows, target, None if drafter == "ngram" else draft, device, dtype,
+                       levels)
     out_dir = args.out or default_dirs()[-1] / PROFILES_DIR  # the user cache's profiles/
     path = write_profile(profile, out_dir / profile_filename(
         profile.target.key, profile.draft.key, profile.device, dtype))

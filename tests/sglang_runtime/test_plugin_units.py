@@ -337,3 +337,23 @@ def test_sglang_profile_fits_the_draft_from_drafting_steps_only(tmp_path):
     assert profile.target.cost.c == pytest.approx(target.c, rel=0.05)
     assert profile.verify_fixed == pytest.approx(verify_fixed, rel=0.05)
     assert profile.overhead == pytest.approx(overhead, rel=0.05)
+
+
+def test_sglang_profile_measures_the_draft_model_and_keys_prompt_lookup_apart(tmp_path):
+    """The profiler starts SGLang with the draft model unless --drafter says otherwise (the
+    launcher's default for smollm2 is prompt lookup, whose ~free "draft forwards" were once
+    written under the draft model's name, pricing the draft at 37 us); a profile of prompt
+    lookup is keyed "ngram", where the n-gram mode looks first."""
+    from sloserve.cli.sglang_profile import fit_rows, profiled_drafter
+
+    assert profiled_drafter(["--model", "smollm2"]) == (
+        ["--model", "smollm2", "--drafter", "model"], "model")
+    assert profiled_drafter(["--drafter", "ngram", "--model", "x"]) == (
+        ["--drafter", "ngram", "--model", "x"], "ngram")
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "config.json").write_text("{}")
+    rows = [{"batch": 2, "k": k, "context": 200 + 10 * i, "verify": 0.05 + 0.001 * k,
+             "extend": 1e-5, "draft": 5e-4 if k else 0.0, "catch_up": 0.0,
+             "step": 0.052 + 0.001 * k} for i in range(20) for k in range(4)]
+    profile = fit_rows(rows, str(tmp_path / "t"), None, "cpu", "float32", [2])
+    assert profile.draft.key == "ngram"
