@@ -32,7 +32,8 @@ def main(argv=None) -> Path:
     ap.add_argument("--draft-model-path", default=None, help="draft model directory "
                    "(default: the preset's own)")
     ap.add_argument("--drafter", default=None, choices=["model", "ngram"],
-                   help="default: model where the target has a draft, else ngram")
+                   help="default: the engine's own for the model (the built-in pair: its "
+                        "draft; smollm2: prompt lookup, profiled under the key ngram)")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="small grid (default on CPU)")
     mode.add_argument("--full", action="store_true", help="full grid (batch up to 64, q 1..9)")
