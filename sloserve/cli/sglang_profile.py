@@ -14,8 +14,8 @@ docs/design.md sec. 2 to what SGLang's forwards took:
             draft tree); the plain steps run the decode path (worker.py), which costs less
             by a fixed amount: `verify_fixed`, the plain steps' median shortfall from the
             fit, taken out of c (so c prices a decode forward, c + verify_fixed a verify)
-    draft   from the draft forwards (k forwards of B tokens each, their mean context) and
-            the draft extend (one forward over B (k + 1) tokens)
+    draft   from the draft forwards (k forwards of B tokens each, their mean context; the
+            first also reads what the draft had not read, whose share is left out)
     overhead  the plain steps' seconds outside the verify forward (they run no draft
             forward: draft_chain.py)
     calibration  the draft's confidence -> conditional acceptance counts of the pair (every
@@ -85,9 +85,8 @@ def fit_rows(rows: Sequence[dict], target_path: str, draft_path: str | None, dev
         B, k, ctx = r["batch"], r["k"], r["context"]
         q = B * (k + 1)
         (target if k else plain).append((ctx + q, q, r["verify"]))
-        if k:  # (a step that drafts nothing skips the draft's read of its window)
-            draft.append((ctx + q, q, r["extend"]))  # the draft reading the verified window
-            # its rounds, not the catch-up on the skipped steps before them (draft_chain.py)
+        if k:  # (the draft reads no verified window: draft_chain.py; "extend" ~ 0)
+            # its rounds, not the catch-up on what the draft had not read (draft_chain.py)
             rounds = r["draft"] - r.get("catch_up", 0.0)
             draft.append((ctx + B * (k + 1) / 2.0, B, rounds / k))  # one draft forward
             rest.append(r["step"] - r["draft"] - r["extend"] - r["verify"])

@@ -61,10 +61,10 @@ class SGLangStep:
     index: int = 0  # steps begun before this one (the test-only forced lengths cycle on it)
     draft_time: float = 0.0  # measured seconds of the draft forwards (catch-up included)
     extend_time: float = 0.0  # ... of the draft reading the verified window
-    # ... of the draft reading what steps without drafting skipped, before its first round
-    # (draft_chain.AlignedDraft.catch_up): those steps' deferred cost, which the profile's
-    # plain step (the draft reads its window every step) already prices, so the policy
-    # learns from the step less this (the SGLang profiler's sweep never skips)
+    # ... of the draft reading what it had not read (prompts, steps without drafting), in its
+    # first round (draft_chain.AlignedDraft.first_round: that forward's seconds times the
+    # catch-up's share of its rows): earlier steps' deferred cost, not this step's choice,
+    # so the policy and the profiler's fit learn from the step less this
     catch_up_time: float = 0.0
     verify_time: float = 0.0  # ... of the target's verify forward
     chain_conf: np.ndarray | None = None  # [B, k] a uniform chain's confidences (profiling)

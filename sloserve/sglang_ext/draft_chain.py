@@ -9,15 +9,22 @@ target the built-in pair accepted 0.88 of its drafts, not ~1 (measured; the tiny
 0.67-1.0 per request; tests/sglang_runtime reproduce SGLang's algorithm exactly). Here the
 draft's slot of position p holds token p, as in sloserve's own engine:
 
-    prefill      the draft reads the prompt chunk as the target did (no rotation)
+    prefill      nothing: the draft reads a request's prompt when it first drafts (a
+                 request the policy never drafts for costs no draft forward at all)
     draft (k>0)  k forwards on the window SGLang reserved past seq_len L: the bonus token b
                  at L gives d_1, d_1 at L + 1 gives d_2, ..., d_{k-1} at L + k - 1 gives d_k;
                  each token's draft probability is its confidence
-    after verify the draft reads the verified window [b, d_1..d_k] at L..L + k, so every
-                 committed token has draft KV (the accepted d_k included)
-    k = 0        a step that drafts nothing skips that read (draft_kv.py keeps what is
-                 missing, also for slots shared later through the radix cache); the next
-                 step that drafts first reads every missing position in one ragged extend
+    after verify nothing: the rounds wrote KV for b, d_1..d_{k-1} at L..L + k - 1, the
+                 tokens verified, so only d_k at L + k (committed when all k are accepted)
+                 has none; SGLang's own flow re-reads the whole window [b, d_1..d_k] with
+                 the draft, a forward an EAGLE head needs and this draft does not
+    k = 0        a step that drafts nothing leaves b at L unread (draft_kv.py keeps what
+                 is missing: prompts not read, skipped steps' tokens, the last drafted
+                 position, slots shared later through the radix cache)
+    catch-up     the first round of a step where anyone misses positions is one ragged
+                 extend over each request's missing positions and its bonus token at L (the
+                 last row's logits give d_1), so many skipped steps and a whole prompt cost
+                 a few rows of a forward the step runs anyway, not a forward of their own
 
 NgramDraft (`--drafter ngram`) replaces the draft model's rounds by prompt lookup over each
 request's own tokens (ngram_chain.py): no draft forward, no draft KV.
@@ -29,6 +36,7 @@ backends are built here per k with k + 1 positions (SGLang's hold k - 1 draft fo
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -48,10 +56,8 @@ from sloserve.sglang_ext.sglang_internals import (
     ForwardMode,
     build_eagle_verify_input,
     forward_context,
-    lm_head_skipped,
     per_step_draft_out_cache_loc,
     prepare_for_draft,
-    prepare_for_draft_extend,
     replace_methods,
 )
 
@@ -62,6 +68,8 @@ ChainSink = Callable[[Any, torch.Tensor, torch.Tensor], None]
 RoundHook = Callable[[Any, torch.Tensor], bool]
 # drafting stopped after s < k rounds: switch the worker to s rounds before the verify
 RoundsDone = Callable[[int], None]
+# (the batch, seconds) of a step's catch-up: its share of the first round's forward
+CatchUpSink = Callable[[Any, float], None]
 
 
 def sampled_batch(batch: Any) -> bool:
@@ -81,8 +89,10 @@ class AlignedDraft:
     deterministic = False  # proposals drawn from q (NgramDraft: one-hot, no q kept)
 
     def __init__(self, dw: Any, k_max: int, on_chain: ChainSink | None = None,
-                 on_round: RoundHook | None = None, on_stop: RoundsDone | None = None) -> None:
+                 on_round: RoundHook | None = None, on_stop: RoundsDone | None = None,
+                 on_catch_up: CatchUpSink | None = None) -> None:
         self.dw = dw
+        self.on_catch_up = on_catch_up
         self.on_chain = on_chain
         self.on_round = on_round  # the plan's early stop (None: always k rounds)
         self.on_stop = on_stop
@@ -119,41 +129,47 @@ class AlignedDraft:
         replace_methods(self.dw, _draft_extend_for_prefill=self.prefill_extend,
                         draft=self.draft, _draft_extend_for_decode=self.decode_extend)
 
-    # ----- prefill: the draft reads the chunk the target read
+    # ----- prefill: nothing is read now; the first round that drafts reads the prompt
     def prefill_extend(self, batch: Any, target_hidden_states: Any, next_token_ids: torch.Tensor,
                        mm_input_embeds: Any = None, kv_loc_plan: Any = None) -> EagleDraftInput:
-        dw = self.dw
         if not batch.forward_mode.is_idle():
-            batch.spec_info = EagleDraftExtendInput(
-                hidden_states=None, num_tokens_per_req=1, num_tokens_for_logprob_per_req=1)
-            fb = ForwardBatch.init_new(batch, dw.draft_runner,
-                                       capture_hidden_mode=CaptureHiddenMode.NULL,
-                                       return_hidden_states_before_norm=False,
-                                       kv_loc_plan=kv_loc_plan)
-            fb.return_logprob = False
-            with lm_head_skipped():  # the draft fills its KV; the next token is the target's
-                dw.draft_runner.forward(fb)
-            self.book.written(fb.out_cache_loc)
-            self.book.prefilled(_rows(batch), batch.prefix_lens,
-                                [r.get_fill_ids() for r in batch.reqs])
+            self.book.unread(batch.out_cache_loc)  # the chunk's slots: no draft KV yet
+            self.book.prefilled(_rows(batch), [r.get_fill_ids() for r in batch.reqs])
         return self._next_input(len(batch.seq_lens), next_token_ids)
 
-    # ----- before the first round of a step that drafts: what skipped steps left out
-    def catch_up(self, batch: Any) -> None:
-        """One ragged extend over every committed position the draft has no KV for (steps
-        that drafted nothing, holes in a cached prefix), positions start_r..L_r - 1 of each
-        request."""
+    # ----- the first round of a step that drafts, with what was not read before it
+    def first_round(self, batch: Any, bonus: torch.Tensor, loc0: torch.Tensor
+                    ) -> torch.Tensor | None:
+        """When anyone in the batch misses draft KV (prompts not read, steps that drafted
+        nothing, holes in a cached prefix): one ragged extend over positions start_r..L_r of
+        each request, the bonus token [bs] at L_r in its round-1 slot loc0 [bs], returning
+        the logits of each request's last row ([bs, V]: round 1's); else None (round 1 runs
+        as a draft decode forward). The catch-up's share of the forward's seconds (its rows
+        over all rows) is reported to `on_catch_up`."""
         rows, lens = _rows(batch), _seq_lens(batch)
         starts = self.book.catch_up(rows, lens)
         if starts is None:
-            return
+            return None
         dw = self.dw
-        tokens, slots = self.book.window(rows, starts, lens)
+        cuda = torch.device(dw.device).type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        self.book.bonus(rows, lens, bonus)
+        ends = [n + 1 for n in lens]  # through the bonus token's position L
+        tokens, slots = self.book.window(rows, starts, ends)
+        bs = len(lens)
         cb = copy.copy(batch)  # SGLang's batch stays as it is; this forward is the draft's
         cb.forward_mode = ForwardMode.EXTEND
         cb.input_ids, cb.out_cache_loc = tokens, slots
+        cb.seq_lens = batch.seq_lens + 1
+        if getattr(batch, "seq_lens_cpu", None) is not None:
+            cb.seq_lens_cpu = batch.seq_lens_cpu + 1
+        if getattr(batch, "orig_seq_lens", None) is not None:
+            cb.orig_seq_lens = batch.orig_seq_lens + 1
+        cb.seq_lens_sum = sum(ends)
         cb.prefix_lens = list(starts)
-        cb.extend_lens = [n - s for s, n in zip(starts, lens)]
+        cb.extend_lens = [n - s for s, n in zip(starts, ends)]
         cb.extend_num_tokens = sum(cb.extend_lens)
         cb.extend_logprob_start_lens = list(cb.extend_lens)
         cb.return_logprob, cb.extend_input_logprob_token_ids = False, None
@@ -163,11 +179,16 @@ class AlignedDraft:
         fb = ForwardBatch.init_new(cb, dw.draft_runner, capture_hidden_mode=CaptureHiddenMode.NULL,
                                    return_hidden_states_before_norm=False)
         fb.return_logprob = False
-        with lm_head_skipped():
-            dw.draft_runner.forward(fb)
+        logits = dw.draft_runner.forward(fb).logits_output.next_token_logits  # [bs, V]
         self.book.written(slots)
         self.book.caught_up(rows)
-        self.caught_up_tokens += cb.extend_num_tokens
+        missed = cb.extend_num_tokens - bs
+        self.caught_up_tokens += missed
+        if self.on_catch_up is not None:
+            if cuda:
+                torch.cuda.synchronize()
+            self.on_catch_up(batch, (time.perf_counter() - t0) * missed / cb.extend_num_tokens)
+        return logits
 
     def _next_input(self, bs: int, bonus: torch.Tensor) -> EagleDraftInput:
         """The draft input SGLang carries to the next decode step: its bonus token (the
@@ -216,16 +237,18 @@ class AlignedDraft:
         confidences [bs] (when anyone reads them) and, for a batch SPECSERVE samples, the
         distributions q [bs, V] the tokens were drawn from."""
         dw = self.dw
-        self.catch_up(batch)
         # slots of positions L..L + k (SGLang reserves them per decode step) and positions L
         fb, _, _ = prepare_for_draft(draft_input, dw.req_to_token_pool, batch, None,
                                      dw.draft_runner, 1, k + 1)
         bs = len(batch.seq_lens)
+        locs = per_step_draft_out_cache_loc(fb.out_cache_loc, bs, 1, k + 1)  # [k + 1, bs]
+        tokens = draft_input.bonus_tokens.to(torch.int64).reshape(bs)
+        # round 1 with the catch-up when anyone misses draft KV (before the multi-step
+        # backend's metadata: that forward runs on the draft runner's own backend)
+        first = self.first_round(batch, tokens, locs[0])
         backend = self.backend(k)
         backend.init_forward_metadata(fb)
         fb.mark_forward_metadata_ready()
-        locs = per_step_draft_out_cache_loc(fb.out_cache_loc, bs, 1, k + 1)  # [k + 1, bs]
-        tokens = draft_input.bonus_tokens.to(torch.int64).reshape(bs)
         drafts: list[torch.Tensor] = []
         confs: list[torch.Tensor] = []
         qs: list[torch.Tensor] = []
@@ -236,11 +259,15 @@ class AlignedDraft:
         # draft off CUDA
         want_conf = self.on_round is not None or self.on_chain is not None
         for i in range(k):
-            fb.input_ids = tokens
-            fb.out_cache_loc = locs[i]
-            with forward_context(ForwardContext(attn_backend=backend.attn_backends[i]),
-                                 forward_batch=fb):
-                logits = dw.draft_runner.forward(fb).logits_output.next_token_logits  # [bs, V]
+            if i == 0 and first is not None:
+                logits = first
+            else:
+                fb.input_ids = tokens
+                fb.out_cache_loc = locs[i]
+                with forward_context(ForwardContext(attn_backend=backend.attn_backends[i]),
+                                     forward_batch=fb):
+                    logits = dw.draft_runner.forward(fb).logits_output.next_token_logits
+            # logits [bs, V]
             conf: torch.Tensor | None
             if sampled:
                 tokens, conf, q = draft_pick(logits, si.temperatures.reshape(-1), si.top_ks,
@@ -260,31 +287,22 @@ class AlignedDraft:
                 break  # the plan: one more round would lower the expected goodput
         return drafts, confs, qs
 
-    # ----- after verify: the draft reads the verified window
+    # ----- after verify: nothing to read (the rounds wrote what was verified)
     def decode_extend(self, batch: Any, batch_result: Any, *, kv_loc_plan: Any = None) -> None:
-        dw = self.dw
+        """SGLang's draft extend over the verified window [b, d_1..d_s] at L..L + s, which an
+        EAGLE head needs (it reads the target's hidden states): this draft's rounds already
+        wrote KV for b, d_1..d_{s-1} at L..L + s - 1, the tokens the verify saw, so every
+        committed position has draft KV except L + s (d_s, committed only when all s drafts
+        were accepted; b itself after a step that drafted nothing). The book marks it, and
+        the next step that drafts reads it with its first round: no draft forward here."""
         verify_input = batch.spec_info
-        n = verify_input.draft_token_num  # k + 1 (1 after a plain step)
-        window = verify_input.draft_token.to(torch.int64).reshape(-1)  # [bs * n]: b, d_1..d_k
+        n = verify_input.draft_token_num  # s + 1 (1 after a plain step)
+        window = verify_input.draft_token.to(torch.int64).reshape(-1, n)  # [bs, n]: b, d_1..d_s
         nxt = batch_result.next_draft_input
         stub = self._next_input(len(batch.seq_lens), nxt.bonus_tokens)
         nxt.topk_p, nxt.topk_index, nxt.hidden_states = stub.topk_p, stub.topk_index, None
-        idle = batch.forward_mode.is_idle()
-        if n == 1 and not idle:  # nothing drafted: the next step that drafts reads b
-            self.book.skipped(_rows(batch), _seq_lens(batch), window)
-            return
-        if not idle:
-            self.book.decoded(batch.req_pool_indices, batch.seq_lens, window.reshape(-1, n))
-        accept = batch_result.accept_lens
-        ext = EagleDraftExtendInput(hidden_states=None, num_correct_drafts=accept - 1,
-                                    num_accept_tokens=accept, num_tokens_per_req=n,
-                                    num_tokens_for_logprob_per_req=n)
-        fb = prepare_for_draft_extend(ext, batch, window, n, dw.draft_runner, None,
-                                      return_hidden_states_before_norm=False,
-                                      kv_loc_plan=kv_loc_plan)
-        with lm_head_skipped():  # KV only: the next round starts from the bonus token
-            dw.draft_runner.forward(fb)
-        self.book.written(fb.out_cache_loc)
+        if not batch.forward_mode.is_idle():
+            self.book.verified(_rows(batch), _seq_lens(batch), window)
 
 
 class NgramDraft(AlignedDraft):
@@ -299,8 +317,8 @@ class NgramDraft(AlignedDraft):
 
     def __init__(self, dw: Any, k_max: int, on_chain: ChainSink | None = None,
                  on_round: RoundHook | None = None, on_stop: RoundsDone | None = None,
-                 n_max: int = 3) -> None:
-        super().__init__(dw, k_max, on_chain, on_round, on_stop)
+                 on_catch_up: CatchUpSink | None = None, n_max: int = 3) -> None:
+        super().__init__(dw, k_max, on_chain, on_round, on_stop, on_catch_up)
         self.chains = NgramChains(n_max)
         # the chain `lookup` found for the step about to draft: tokens [bs, k] on the device
         self._pending: torch.Tensor | None = None
@@ -339,9 +357,6 @@ class NgramDraft(AlignedDraft):
     def prefill_extend(self, batch: Any, target_hidden_states: Any, next_token_ids: torch.Tensor,
                        mm_input_embeds: Any = None, kv_loc_plan: Any = None) -> EagleDraftInput:
         return self._next_input(len(batch.seq_lens), next_token_ids)
-
-    def catch_up(self, batch: Any) -> None:
-        """Nothing to read: there is no draft KV."""
 
     def rounds(self, batch: Any, draft_input: EagleDraftInput, k: int
                ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:

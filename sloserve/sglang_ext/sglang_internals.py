@@ -24,7 +24,6 @@ Patches, in the order they are applied (each independent of the others' order):
     replace_methods               a draft worker's prefill / draft / decode-extend methods
     swapped_eagle_sample          (a context) eagle_worker_common.eagle_sample
     swapped_target_forward        (a context) the target worker's forward_batch_generation
-    lm_head_skipped               (a context) LogitsProcessor.forward returns no logits
 """
 
 from __future__ import annotations
@@ -90,7 +89,6 @@ from sglang.srt.speculative.eagle_utils import per_step_draft_out_cache_loc  # n
 from sglang.srt.speculative.eagle_worker_common import (  # noqa: E402
     build_eagle_verify_input,
     prepare_for_draft,
-    prepare_for_draft_extend,
 )
 from sglang.srt.speculative.ragged_verify import RaggedVerifyLayout  # noqa: E402
 from sglang.srt.speculative.standalone_worker_v2 import StandaloneWorkerV2  # noqa: E402
@@ -101,8 +99,8 @@ __all__ = [
     "SchedulerOutputStreamer", "StandaloneWorkerV2", "activate_rounds",
     "build_eagle_verify_input", "forward_context", "install_ragged_extend_metadata",
     "install_request_slo_fields", "install_result_hook", "per_step_draft_out_cache_loc",
-    "prepare_for_draft", "prepare_for_draft_extend", "replace_methods",
-    "lm_head_skipped", "swapped_eagle_sample", "swapped_target_forward",
+    "prepare_for_draft", "replace_methods",
+    "swapped_eagle_sample", "swapped_target_forward",
 ]
 
 
@@ -350,19 +348,3 @@ def swapped_target_forward(target_worker: Any, forward: Callable) -> Iterator[No
         yield
     finally:
         del target_worker.forward_batch_generation
-
-
-@contextmanager
-def lm_head_skipped() -> Iterator[None]:
-    """Forwards inside this context skip the LM head (their LogitsProcessorOutput has
-    next_token_logits None): the draft reading tokens only to fill its KV (its prefill and
-    its read of the verified window) never looks at logits, and with a 49k-token vocabulary
-    the head costs the draft more than its layers (a [bs * (k + 1), V] product per decode
-    step). SGLang's switch for this is its FlashInfer autotune dummy-run mode (a module
-    global that LogitsProcessor.forward reads first; besides the head, only MLA attention
-    backends under decode context parallelism read it)."""
-    from sglang.srt.layers import logits_processor
-
-    mode = _require(logits_processor, "autotune_dummy_run_mode")
-    with mode(run_lm_head=False):
-        yield

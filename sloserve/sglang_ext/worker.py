@@ -129,12 +129,10 @@ class SpecServeWorker(StandaloneWorkerV2):  # type: ignore[misc]  # SGLang is un
                              on_chain=self._chain_drafted if wants_chain else None,
                              on_round=(self._after_round
                                        if self.per_request and not self.lookup_first else None),
-                             on_stop=self._rounds_done)
+                             on_stop=self._rounds_done, on_catch_up=self._caught_up)
         self.aligned.install()
         self.test_accept_all = cfg.test_accept_all
         dw.draft = _timed(dw.draft, lambda st, t: st.add_times(draft=t), dev)
-        self.aligned.catch_up = _timed(  # type: ignore[method-assign]  # (inside draft)
-            self.aligned.catch_up, lambda st, t: st.add_times(catch_up=t), dev)
         dw._draft_extend_for_decode = _timed(dw._draft_extend_for_decode,
                                              lambda st, t: st.add_times(extend=t), dev)
         self.verify = _timed(  # type: ignore[method-assign]  # an instance's timed verify
@@ -188,6 +186,11 @@ class SpecServeWorker(StandaloneWorkerV2):  # type: ignore[misc]  # SGLang is un
         step = _step_of(batch)
         if step is not None:  # the timings row's and, trimmed steps, the verifier's
             self.controller.chain_drafted(step, conf.float().cpu().numpy())
+
+    def _caught_up(self, batch: Any, seconds: float) -> None:
+        step = _step_of(batch)
+        if step is not None:  # inside the timed draft: the step learns without it
+            step.add_times(catch_up=seconds)
 
     def _rounds_done(self, rounds: int) -> None:
         assert self.adaptive_controller is not None
