@@ -15,7 +15,7 @@ docs/design.md sec. 2 to what SGLang's forwards took:
             by a fixed amount: `verify_fixed`, the plain steps' median shortfall from the
             fit, taken out of c (so c prices a decode forward, c + verify_fixed a verify)
     draft   from the draft forwards (k forwards of B tokens each, their mean context; the
-            first also reads what the draft had not read, whose share is left out)
+            first also reads the rows the draft had not read, counted in)
     overhead  the plain steps' seconds outside the verify forward (they run no draft
             forward: draft_chain.py)
     calibration  the draft's confidence -> conditional acceptance counts of the pair (every
@@ -86,9 +86,10 @@ def fit_rows(rows: Sequence[dict], target_path: str, draft_path: str | None, dev
         q = B * (k + 1)
         (target if k else plain).append((ctx + q, q, r["verify"]))
         if k:  # (the draft reads no verified window: draft_chain.py; "extend" ~ 0)
-            # its rounds, not the catch-up on what the draft had not read (draft_chain.py)
-            rounds = r["draft"] - r.get("catch_up", 0.0)
-            draft.append((ctx + B * (k + 1) / 2.0, B, rounds / k))  # one draft forward
+            # k forwards of B rows each, the first with the catch-up's rows besides
+            # (draft_chain.py): one mean forward
+            rows_read = B + r.get("catch_up_rows", 0) / k
+            draft.append((ctx + B * (k + 1) / 2.0, rows_read, r["draft"] / k))
             rest.append(r["step"] - r["draft"] - r["extend"] - r["verify"])
         else:
             plain_rest.append(r["step"] - r["verify"])

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from sloserve.estimator.cost_model import ForwardCost
 from sloserve.slo import slo_array
 from sloserve.speculation import SpecPolicy, SpecSession, StepInfo, VerifyOutcome
 
@@ -61,10 +62,12 @@ class SGLangStep:
     index: int = 0  # steps begun before this one (the test-only forced lengths cycle on it)
     draft_time: float = 0.0  # measured seconds of the draft forwards (catch-up included)
     extend_time: float = 0.0  # ... of the draft reading the verified window
-    # ... of the draft reading what it had not read (prompts, steps without drafting), in its
-    # first round (draft_chain.AlignedDraft.first_round: that forward's seconds times the
-    # catch-up's share of its rows): earlier steps' deferred cost, not this step's choice,
-    # so the policy and the profiler's fit learn from the step less this
+    # rows the draft's first round read besides the bonus tokens (prompts, steps without
+    # drafting, the last accepted draft: draft_chain.AlignedDraft.first_round)
+    catch_up_rows: int = 0
+    # ... their seconds beyond what the cost model prices for the first round (one row a
+    # request: StepInfo.draft_lag), at the draft's profiled price a row: earlier steps'
+    # deferred cost, not this step's choice, so the policy learns from the step less this
     catch_up_time: float = 0.0
     verify_time: float = 0.0  # ... of the target's verify forward
     chain_conf: np.ndarray | None = None  # [B, k] a uniform chain's confidences (profiling)
@@ -85,12 +88,10 @@ class SGLangStep:
         """Draft rounds run so far (a uniform step: its fixed length)."""
         return self.session.rounds
 
-    def add_times(self, draft: float = 0.0, extend: float = 0.0, verify: float = 0.0,
-                  catch_up: float = 0.0) -> None:
+    def add_times(self, draft: float = 0.0, extend: float = 0.0, verify: float = 0.0) -> None:
         self.draft_time += draft
         self.extend_time += extend
         self.verify_time += verify
-        self.catch_up_time += catch_up
 
 
 @dataclass
@@ -98,6 +99,8 @@ class StepController:
     policy: SpecPolicy  # any policy of the registry (policies/registry.make_policy)
     k_max: int  # the most draft steps a batch may run (SGLang's largest runtime state)
     default_tpot_slo: float | None = None  # seconds; a request's own tpot_slo overrides it
+    # the draft's forward cost the policy prices with (catch-up rows: SGLangStep)
+    draft_cost: ForwardCost | None = None
     per_request: bool = False  # per-request steps (the plan steers every round) or uniform
     # uniform steps whose verify the plan trims per request from the chain's confidences
     trim: bool = False
@@ -202,8 +205,13 @@ class StepController:
         # own work between decode steps (prefills included), for the timings lines
         gap = step.started - self._last_finish if self._last_finish is not None else None
         self._last_finish = end
-        # what drafting cost this step: its rounds and the draft's read of the verified
-        # window, which steps without drafts skip (draft_chain.py); not the catch-up
+        # what drafting cost this step: its rounds, not the catch-up rows past the one a
+        # request the model prices (draft_lag), at the draft's price a row (query token and
+        # context token)
+        extra = max(0, step.catch_up_rows - B)
+        d = self.draft_cost
+        step.catch_up_time = (min(step.draft_time, (d.a + d.b) * extra)
+                              if d is not None and extra else 0.0)
         drafting = (step.draft_time + step.extend_time - step.catch_up_time
                     if step.rounds else 0.0)
         outcome = s.finish(num_correct_drafts, step_time - step.catch_up_time, drafting,
@@ -217,7 +225,7 @@ class StepController:
             row: dict[str, Any] = {
                 "batch": B, "context": step.context, "k": step.rounds,
                 "draft": step.draft_time, "extend": step.extend_time,
-                "catch_up": step.catch_up_time,
+                "catch_up": step.catch_up_time, "catch_up_rows": step.catch_up_rows,
                 "verify": step.verify_time, "step": step_time,
                 "accepted": int(accepted.sum()), "verified": int(verified.sum()),
                 # seconds in the policy's Python (plan, after each round, verify lengths;

@@ -36,7 +36,6 @@ backends are built here per k with k + 1 positions (SGLang's hold k - 1 draft fo
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -68,8 +67,9 @@ ChainSink = Callable[[Any, torch.Tensor, torch.Tensor], None]
 RoundHook = Callable[[Any, torch.Tensor], bool]
 # drafting stopped after s < k rounds: switch the worker to s rounds before the verify
 RoundsDone = Callable[[int], None]
-# (the batch, seconds) of a step's catch-up: its share of the first round's forward
-CatchUpSink = Callable[[Any, float], None]
+# (the batch, rows) of a step's catch-up: the rows its first round read besides the bonus
+# tokens (the controller prices them: controller.py)
+CatchUpSink = Callable[[Any, int], None]
 
 
 def sampled_batch(batch: Any) -> bool:
@@ -144,17 +144,13 @@ class AlignedDraft:
         nothing, holes in a cached prefix): one ragged extend over positions start_r..L_r of
         each request, the bonus token [bs] at L_r in its round-1 slot loc0 [bs], returning
         the logits of each request's last row ([bs, V]: round 1's); else None (round 1 runs
-        as a draft decode forward). The catch-up's share of the forward's seconds (its rows
-        over all rows) is reported to `on_catch_up`."""
+        as a draft decode forward). The rows read besides the bonus tokens go to
+        `on_catch_up`."""
         rows, lens = _rows(batch), _seq_lens(batch)
         starts = self.book.catch_up(rows, lens)
         if starts is None:
             return None
         dw = self.dw
-        cuda = torch.device(dw.device).type == "cuda"
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
         self.book.bonus(rows, lens, bonus)
         ends = [n + 1 for n in lens]  # through the bonus token's position L
         tokens, slots = self.book.window(rows, starts, ends)
@@ -185,9 +181,7 @@ class AlignedDraft:
         missed = cb.extend_num_tokens - bs
         self.caught_up_tokens += missed
         if self.on_catch_up is not None:
-            if cuda:
-                torch.cuda.synchronize()
-            self.on_catch_up(batch, (time.perf_counter() - t0) * missed / cb.extend_num_tokens)
+            self.on_catch_up(batch, missed)
         return logits
 
     def _next_input(self, bs: int, bonus: torch.Tensor) -> EagleDraftInput:

@@ -176,7 +176,8 @@ def make_controller(cfg: WorkerConfig, target_path: str, draft_path: str, k_max:
     spec = cfg.spec
     policy = make_policy(spec.policy, cost, k_max=k_max, drafter=cfg.drafter,
                          calibration=calibration, options=spec.options)
-    return StepController(policy, k_max, spec.tpot_slo, per_request=cfg.per_request,
+    return StepController(policy, k_max, spec.tpot_slo, draft_cost=cost.draft,
+                          per_request=cfg.per_request,
                           trim=cfg.trim,
                           sweep=cfg.sweep, timings_path=cfg.timings,
                           forced_lengths=cfg.test_verify_lens, step_log_path=cfg.step_log)

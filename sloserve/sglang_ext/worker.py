@@ -187,10 +187,10 @@ class SpecServeWorker(StandaloneWorkerV2):  # type: ignore[misc]  # SGLang is un
         if step is not None:  # the timings row's and, trimmed steps, the verifier's
             self.controller.chain_drafted(step, conf.float().cpu().numpy())
 
-    def _caught_up(self, batch: Any, seconds: float) -> None:
+    def _caught_up(self, batch: Any, rows: int) -> None:
         step = _step_of(batch)
-        if step is not None:  # inside the timed draft: the step learns without it
-            step.add_times(catch_up=seconds)
+        if step is not None:  # read inside the timed draft; the controller prices them
+            step.catch_up_rows += rows
 
     def _rounds_done(self, rounds: int) -> None:
         assert self.adaptive_controller is not None

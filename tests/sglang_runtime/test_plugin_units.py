@@ -294,12 +294,33 @@ def test_profiling_rows_carry_confidences_and_fit_the_calibration(tmp_path):
     assert calibration_counts(rows[:1]) is None
 
 
+def test_a_drafting_step_learns_its_rounds_without_the_catch_up_rows(tmp_path):
+    """The draft's first round reads what the draft lacked (a prompt, skipped steps) as
+    rows of its forward (draft_chain.first_round); the rows past the one a request the
+    cost model prices are earlier steps' deferred cost, taken out of the step's drafting
+    seconds at the draft's price a row (capped at what the draft took), and logged."""
+    timings = tmp_path / "rows.jsonl"
+    ctl = StepController(make_policy("specserve", COST, k_max=3), 3, sweep=(2,),
+                         timings_path=str(timings), draft_cost=COST.draft)
+    price = COST.draft.a + COST.draft.b
+    for rows, draft_s, want in ((2, 0.05, 0.0), (302, 0.05, min(0.05, 300 * price)),
+                                (2002, 0.01, 0.01)):
+        d = ctl.begin(["a", "b"], [40, 50], [None, None])
+        d.catch_up_rows = rows
+        d.add_times(draft=draft_s, verify=0.1)
+        ctl.finish(d, [1, 1])
+        row = json.loads(timings.read_text().splitlines()[-1])
+        assert row["catch_up_rows"] == rows
+        assert row["catch_up"] == pytest.approx(want)
+    assert 0.0 < 300 * price < 0.05  # the middle case is priced, not capped
+
+
 def test_sglang_profile_fits_the_draft_from_drafting_steps_only(tmp_path):
     """python -m sloserve.profiler --engine sglang: no step reads its verified window into
     the draft (`extend` is the book's ~0.1 ms) and steps that draft nothing run no draft
-    forward; a drafting step's first round also reads what the draft had not read (the
-    catch-up's share, `catch_up`, inside `draft`), which the draft's fit must not see as a
-    draft forward's. Plain steps' target forward takes the decode path, cheaper than the verify path by verify_fixed,
+    forward; a drafting step's first round also reads the rows the draft had not read
+    (`catch_up_rows`, inside `draft`), which the draft's fit must count as that forward's
+    rows. Plain steps' target forward takes the decode path, cheaper than the verify path by verify_fixed,
     which the fit finds apart from c."""
     from sloserve.cli.sglang_profile import fit_rows
     from sloserve.estimator.cost_model import ForwardCost
@@ -318,16 +339,19 @@ def test_sglang_profile_fits_the_draft_from_drafting_steps_only(tmp_path):
         if k == 0:
             skipped += 1
             rows.append({"batch": B, "k": 0, "context": ctx, "verify": verify,
-                         "extend": 1e-4, "draft": 0.0, "catch_up": 0.0,
+                         "extend": 1e-4, "draft": 0.0, "catch_up_rows": 0,
                          "step": verify + overhead})
             continue
-        catch_up = draft.time(ctx, B * skipped) if skipped else 0.0
+        # the first round reads B rows per skipped step (and a prompt now and then) besides
+        # the bonus tokens
+        extra = B * skipped + (int(rng.integers(20, 200)) if rng.random() < 0.2 else 0)
         skipped = 0
-        rounds = k * draft.time(ctx + B * (k + 1) / 2.0, B)
+        mid = ctx + B * (k + 1) / 2.0
+        rounds = draft.time(mid, B + extra) + (k - 1) * draft.time(mid, B)
         extend = 1e-4
         rows.append({"batch": B, "k": k, "context": ctx, "verify": verify, "extend": extend,
-                     "draft": rounds + catch_up, "catch_up": catch_up,
-                     "step": verify + rounds + catch_up + extend + overhead})
+                     "draft": rounds, "catch_up_rows": extra,
+                     "step": verify + rounds + extend + overhead})
     for name in ("t", "d"):  # the profile names each model by its config's hash
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text("{}")
