@@ -58,6 +58,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -91,11 +92,14 @@ def ours(system: str) -> bool:
 
 
 def system_args(system: str, target: str, draft: str, k_max: int | None = None) -> list[str]:
-    """`python -m sloserve.launch --engine sglang` options of one system."""
-    pair = ["--model-path", target, "--draft-model-path", draft]
+    """`python -m sloserve.launch --engine sglang` options of one system. `SYSTEM/no-profile`:
+    without a cost profile; `SYSTEM@DIR`: with the draft model in DIR instead of `draft`."""
     if system.endswith("/no-profile"):  # a SPECSERVE system as on the pair's first start
         return system_args(system.removesuffix("/no-profile"), target, draft, k_max) + [
             "--spec-profile", "none"]
+    if "@" in system:
+        system, draft = system.split("@", 1)
+    pair = ["--model-path", target, "--draft-model-path", draft]
     if system == "plain":
         return pair + ["--spec-policy", "ar"]
     if system.startswith("specserve"):
@@ -203,12 +207,14 @@ class Running:
 def run_systems(systems: list[str], python: str, target: str, draft: str,
                 levels: list[int], repeats: int, new_tokens: int, prompts: list[list[int]],
                 logs: Path, port: int, k_max: int | None = None, ignore_eos: bool = True,
-                timings: bool = False, interleave: bool = False
+                timings: bool = False, interleave: bool = False,
+                on_repeat: Callable[[dict[str, dict[int, list[dict]]]], None] | None = None,
                 ) -> dict[str, dict[int, list[dict]]]:
     """{system: {concurrency: [one result per repeat]}}. One server at a time, its repeats
     back to back; or (interleave) every server up at once (each sleeps while idle) and each
     (repeat, level) measured on every system in turn, the order rotating per repeat, so a
-    machine drifting over the run moves every system alike."""
+    machine drifting over the run moves every system alike. `on_repeat(results so far)` runs
+    after every repeat (the caller saves them: a run stopped early keeps its repeats)."""
     out: dict[str, dict[int, list[dict]]] = {s: {c: [] for c in levels} for s in systems}
 
     def record(run: Running, rep: int, c: int) -> None:
@@ -230,9 +236,15 @@ def run_systems(systems: list[str], python: str, target: str, draft: str,
             for run in runs:
                 run.warm(prompts, levels, new_tokens, ignore_eos, t0)
             for rep in range(repeats):
+                t_rep = time.monotonic()
                 for c in levels:
                     for i in range(len(runs)):
                         record(runs[(i + rep) % len(runs)], rep, c)
+                left = (repeats - rep - 1) * (time.monotonic() - t_rep) / 60
+                print(f"repeat {rep + 1}/{repeats} of {group} done; about {left:.0f} minutes "
+                      "of its repeats left", flush=True)
+                if on_repeat is not None:
+                    on_repeat(out)
         finally:
             for run in runs:
                 run.server.stop()
@@ -309,22 +321,32 @@ def main(argv: list[str] | None = None) -> int:
     python = sglang_python()
     logs = Path(args.out).parent / "sglang_specserve_logs"
     logs.mkdir(parents=True, exist_ok=True)
-    # measured on 2 cores: a server starts in 1-1.5 min, a (system, level, repeat) cell
-    # takes 0.3 (built-in pair, C = 1) to 1.5 min (smollm2, C = 16)
+    # measured on 2 cores: a server starts in 1-1.5 min on the Intel Xeon (AMX), 1-2.5 min on
+    # the AMD EPYC (AVX2; five starting at once: 11 min); a (system, level, repeat) cell takes
+    # 0.3 (built-in pair, C = 1) to 1.5 min (smollm2, C = 16) on the Xeon, 3x that on the EPYC
     n, cells = len(systems), len(systems) * len(levels) * args.repeats
     print(f"SGLang closed loop: {systems} at concurrency {levels}, {args.repeats} repeats, "
           f"{args.new_tokens} tokens a request; about {n + 0.3 * cells:.0f}-"
-          f"{1.5 * n + 1.5 * cells:.0f} minutes on 2 cores (server logs in {logs})",
-          flush=True)
+          f"{1.5 * n + 1.5 * cells:.0f} minutes on a 2-core Intel Xeon with AMX, up to 3x that "
+          f"on an AVX2-only CPU; a line after every repeat says how long is left (server logs "
+          f"in {logs})", flush=True)
     prompts, chat = bench_prompts(target, args.prompt_tokens, args.chat)
     print(f"prompts: 64 Spec-Bench questions, categories round-robin"
           f"{', in the chat template' if chat else ''}, at most {args.prompt_tokens} tokens",
           flush=True)
     t0 = time.monotonic()
+
+    def save(results: dict[str, dict[int, list[dict]]], complete: bool = False) -> None:
+        write_json(args.out, {"machine": machine_info(), "args": vars(args), "target": target,
+                              "draft": draft, "minutes": (time.monotonic() - t0) / 60,
+                              "complete": complete,
+                              "results": {s: {str(c): v for c, v in r.items()}
+                                          for s, r in results.items()}})
+
     results = run_systems(systems, python, target, draft, levels, args.repeats,
                           args.new_tokens, prompts, logs, args.port, args.k_max,
                           ignore_eos=not chat, timings=args.timings,
-                          interleave=args.interleave)
+                          interleave=args.interleave, on_repeat=save)
     rows, summary = [], {}
     for c in levels:
         med = {s: statistics.median(r["tok_s"] for r in results[s][c]) for s in systems}
@@ -370,10 +392,7 @@ def main(argv: list[str] | None = None) -> int:
             if "plain" in m:
                 line += f", {m[s] / m['plain'] - 1:+.1%} vs plain"
             print(line)
-    write_json(args.out, {"machine": machine_info(), "args": vars(args), "target": target,
-                          "draft": draft, "minutes": (time.monotonic() - t0) / 60,
-                          "results": {s: {str(c): v for c, v in r.items()}
-                                      for s, r in results.items()}})
+    save(results, complete=True)
     return 0
 
 

@@ -228,6 +228,9 @@ def test_closed_loop_benchmark_runs_each_system_as_named():
     model = system_args("sloserve:fixed=3", "T", "D")
     assert model[model.index("--drafter") + 1] == "model"
     assert model[model.index("--spec-policy") + 1] == "fixed:3"
+    weak = system_args("sloserve@/w/d/no-profile", "T", "D")  # another draft, no profile
+    assert weak[weak.index("--draft-model-path") + 1] == "/w/d"
+    assert weak[-2:] == ["--spec-profile", "none"] and weak[weak.index("--drafter") + 1] == "model"
     from sloserve.bench.sglang_specserve import file_stem
 
     assert file_stem("sloserve-ngram::per-request/no-profile") == \
