@@ -70,12 +70,6 @@ class DraftKVBook:
         for row, pos in zip(rows, seq_lens):
             self.stale_from.setdefault(row, pos + n - 1)
 
-    def skipped(self, rows: Sequence[int], positions: Sequence[int],
-                tokens: torch.Tensor) -> None:
-        """A step without drafting committed tokens[i] ([bs]) at positions[i] of row rows[i]
-        and the draft did not read them."""
-        self.verified(rows, positions, tokens.reshape(-1, 1))
-
     def unread(self, slots: torch.Tensor) -> None:
         """The target wrote these slots (a prefill chunk) and the draft did not read them."""
         self.slot_ok[slots.long()] = False

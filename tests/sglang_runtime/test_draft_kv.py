@@ -22,6 +22,13 @@ def _prefill(book: DraftKVBook, row: int, ids: list[int], prefix: int = 0) -> No
     book.prefilled([row], [ids])
 
 
+def _skipped(book: DraftKVBook, rows: list[int], positions: list[int],
+             tokens: torch.Tensor) -> None:
+    """A step without drafting committed tokens[i] at positions[i] of row rows[i]: a verify
+    of the bonus alone (the worker's path: `verified` with a one-token window)."""
+    book.verified(rows, positions, tokens.reshape(-1, 1))
+
+
 def _first_round(book: DraftKVBook, rows: list[int], lens: list[int],
                  bonus: list[int]) -> tuple[list[int] | None, list[int]]:
     """What a drafting step's first round reads (starts, tokens), marking it read."""
@@ -56,8 +63,8 @@ def test_skipped_positions_are_read_once_with_their_tokens():
     book.decoded(torch.tensor([0, 1]), torch.tensor([3, 2]), torch.tensor([[10, 11],
                                                                            [20, 21]]))
     # row 0 committed 10, 11 (L 3 -> 5); row 1 committed 20 (L 2 -> 3)
-    book.skipped([0, 1], [5, 3], torch.tensor([30, 40]))
-    book.skipped([0, 1], [6, 4], torch.tensor([31, 41]))
+    _skipped(book, [0, 1], [5, 3], torch.tensor([30, 40]))
+    _skipped(book, [0, 1], [6, 4], torch.tensor([31, 41]))
     starts = book.catch_up([0, 1], [7, 5])
     assert starts == [5, 3]
     book.bonus([0, 1], [7, 5], torch.tensor([32, 42]))
@@ -75,7 +82,7 @@ def test_a_request_without_gaps_reads_only_its_bonus_token():
     _prefill(book, 1, [8, 9])
     _first_round(book, [0, 1], [3, 2], [10, 20])
     book.decoded(torch.tensor([0]), torch.tensor([3]), torch.tensor([[10, 11]]))
-    book.skipped([1], [2], torch.tensor([40]))  # row 1 alone skipped a step
+    _skipped(book, [1], [2], torch.tensor([40]))  # row 1 alone skipped a step
     starts, tokens = _first_round(book, [0, 1], [5, 3], [12, 41])
     assert starts == [5, 2]
     assert tokens == [12, 40, 41]  # row 0: its bonus alone (one row: round 1's)
@@ -85,8 +92,8 @@ def test_a_cached_prefix_with_unread_slots_is_read_by_its_new_owner():
     book = _book()
     _prefill(book, 0, [5, 6, 7])
     _first_round(book, [0], [3], [30])
-    book.skipped([0], [3], torch.tensor([30]))
-    book.skipped([0], [4], torch.tensor([31]))
+    _skipped(book, [0], [3], torch.tensor([30]))
+    _skipped(book, [0], [4], torch.tensor([31]))
     # row 0 finishes; its slots go to the radix cache and row 2 starts with all five as its
     # prefix (SGLang copies the slot numbers into row 2) and one new token
     book.req_to_token[2, :5] = book.req_to_token[0, :5]
@@ -105,7 +112,7 @@ def test_a_cached_prefix_with_unread_slots_is_read_by_its_new_owner():
 def test_a_request_never_drafted_for_reads_nothing_and_a_reused_row_forgets_its_owner():
     book = _book()
     _prefill(book, 0, [5, 6, 7])
-    book.skipped([0], [3], torch.tensor([30]))  # decoded without drafting, then finished
+    _skipped(book, [0], [3], torch.tensor([30]))  # decoded without drafting, then finished
     assert book.catch_up([1], [2]) is None  # others' steps never read row 0
     _prefill(book, 0, [1, 2])  # a new request prefilled into the row
     starts, tokens = _first_round(book, [0], [2], [3])
