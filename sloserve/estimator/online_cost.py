@@ -45,7 +45,7 @@ speculation is off) returns to the profile within a few hundred steps, so a pess
 price learned from a few slow steps cannot turn speculation off for good. A sample more
 than `clip` times off the current prediction is clipped to that ratio (a GC pause or a
 preempted step must not swing the fit), and every scale stays in
-[1 / max_scale, max_scale].
+[1 / max_scale, max_scale] (v: in [0, max_scale x the profile's], or up to a plain forward).
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ class StepCostCorrection:
         self.sxx3 = np.zeros((3, 3))
         self.sxy3 = np.zeros(3)
         self.tok2 = 0.0
+        self.plain_typ = 0.0  # the plain forward feature's typical value (v's upper bound)
         # draft fit: exponentially weighted sums of d = profiled and m = measured draft
         # seconds, and d's typical square over the steps that drafted (it does not fade
         # while speculation is off, so the prior takes over again)
@@ -151,6 +152,7 @@ class StepCostCorrection:
         self.sxy3 += x * y
         if x[1] > 0.0:
             self.tok2 = self._typical(self.tok2, x[1] * x[1])
+        self.plain_typ = self._typical(self.plain_typ, x[0])
         v0 = self.verify_fixed_prior
         prior_w = np.array([lam, w * self.tok2 if self.tok2 > 0.0 else lam, w])
         A = self.sxx3 + np.diag(prior_w)
@@ -162,7 +164,13 @@ class StepCostCorrection:
         self.theta_target = self._bound(float(theta[0]))
         # (a wider bound: the profile's one b is furthest off here, 3x at batch 1)
         self.theta_verify = min(max(float(theta[1]), self.max_scale ** -2), self.max_scale ** 2)
-        self.verify_fixed = min(max(float(theta[2]), 0.0), self.max_scale * v0)
+        # v: at most max_scale times the profile's, or one plain forward where that is more.
+        # The verify path can cost far more than a profile's median says: on a 2-core AMD
+        # EPYC (AVX2, float32) a batch-1 verify of two tokens took ~290 ms against ~170 ms
+        # for the decode forward of one (the linear layers leave their one-row path), 7x the
+        # profiled 16 ms, which the old bound of 2x held at 32 ms (the plan drafted at a loss)
+        v_max = max(self.max_scale * v0, self.plain_typ)
+        self.verify_fixed = min(max(float(theta[2]), 0.0), v_max)
 
     def _observe_draft(self, draft: float, measured_draft: float | None) -> tuple[float, float]:
         """Fade every sum by one step and fit theta_draft on this step's drafting. Returns

@@ -237,7 +237,8 @@ def test_correction_learns_the_verify_path_apart_from_the_scale():
     """A profiled verify_fixed of 10 ms where the verify path really costs 18 ms, the plain
     forward runs at 0.8x the profile and verified tokens at 3x theirs (SGLang's CPU verify
     at batch 1): the three-feature fit finds all three (one scale could not). Like the
-    scales, v stays within max_scale of the profile's."""
+    scales, v stays within max_scale of the profile's, or within a plain forward where the
+    verify path really costs that much (next test)."""
     rng = np.random.default_rng(1)
     c = StepCostCorrection(verify_fixed=0.01)
     for _ in range(400):
@@ -256,3 +257,26 @@ def test_correction_learns_the_verify_path_apart_from_the_scale():
     assert plain_only.verify_fixed == pytest.approx(0.01)
     assert plain_only.theta_verify == pytest.approx(1.0)
     assert plain_only.theta_target == pytest.approx(0.9, rel=0.02)
+
+
+def test_a_verify_path_far_dearer_than_profiled_is_learned_up_to_a_plain_forward():
+    """The 2-core AMD EPYC (2026-11-27): a batch-1 decode forward ~170 ms, the verify path
+    ~120 ms more, the profile's verify_fixed 16 ms. v follows it past max_scale x the prior
+    (the old bound held it at 32 ms), but never past a plain forward."""
+    rng = np.random.default_rng(2)
+    c = StepCostCorrection(verify_fixed=0.016)
+    for _ in range(300):
+        plain = rng.uniform(0.16, 0.18)
+        k = int(rng.integers(1, 8)) if rng.random() < 0.5 else 0
+        tokens = 0.004 * k
+        measured_target = plain + tokens + (0.12 if k else 0.0)
+        c.observe(plain + tokens, 0.0, measured_target + 0.001, measured_draft=None,
+                  measured_target=measured_target, verify_part=tokens if k else None)
+    assert c.verify_fixed == pytest.approx(0.12, rel=0.1)
+    worse = StepCostCorrection(verify_fixed=0.016)  # a verify costing 3 forwards more
+    for i in range(300):
+        k = i % 2
+        worse.observe(0.17 + 0.004 * k, 0.0, 1.0, measured_draft=None,
+                      measured_target=0.17 + (0.5 if k else 0.0),
+                      verify_part=0.004 if k else None)
+    assert worse.verify_fixed <= 0.17 * 1.001
