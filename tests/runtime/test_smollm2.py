@@ -60,13 +60,26 @@ def _greedy(eng: Engine, prompts: list[list[int]]) -> list[list[int]]:
     return [r["output_ids"] for r in eng.generate(prompts, p)]
 
 
-def test_converted_model_equals_transformers_greedy(smollm2_dir, prompts):
+@pytest.fixture(scope="module")
+def plain_greedy(prompts):
+    """dtype -> the engine's plain greedy answers (computed once a dtype for the module)."""
+    answers: dict[str, list[list[int]]] = {}
+
+    def get(dtype: str) -> list[list[int]]:
+        if dtype not in answers:
+            answers[dtype] = _greedy(_engine("ar", "none", dtype), prompts)
+        return answers[dtype]
+
+    return get
+
+
+def test_converted_model_equals_transformers_greedy(smollm2_dir, prompts, plain_greedy):
     from transformers import AutoModelForCausalLM
 
     # generation_config.json: stop at <|im_end|> (2) as the engine does. (Clearing
     # eos_token_id to mimic ignore_eos changes transformers' greedy tokens themselves.)
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    ours = _greedy(_engine("ar", "none", "float32"), prompts)
+    ours = plain_greedy("float32")
     for p, got in zip(prompts, ours):
         with torch.inference_mode():
             ref = hf.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False,
@@ -76,17 +89,17 @@ def test_converted_model_equals_transformers_greedy(smollm2_dir, prompts):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_ngram_speculation_is_lossless(prompts, dtype):
-    plain = _greedy(_engine("ar", "none", dtype), prompts)
+def test_ngram_speculation_is_lossless(prompts, plain_greedy, dtype):
+    plain = plain_greedy(dtype)
     for policy in ("specserve-slo", "fixed:4"):
         eng = _engine(policy, "ngram", dtype)
         assert _greedy(eng, prompts) == plain, policy
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_draft_model_speculation_is_lossless(prompts, dtype):
+def test_draft_model_speculation_is_lossless(prompts, plain_greedy, dtype):
     """The shipped distilled draft (issue #31): spec == plain greedy, token for token."""
-    plain = _greedy(_engine("ar", "none", dtype), prompts)
+    plain = plain_greedy(dtype)
     for policy in ("fixed:4", "fixed:1", "specserve-slo"):
         eng = _engine(policy, "model", dtype)
         assert _greedy(eng, prompts) == plain, policy

@@ -43,6 +43,16 @@ def _sglang_python() -> str | None:
     return proc.stdout.strip().splitlines()[-1]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _reap_stopped_servers():
+    """Servers stopped without waiting for SGLang's shutdown (`LaunchedServer.stop(wait=
+    False)`: the next one starts meanwhile) have all exited by the session's end."""
+    yield
+    from tests.sglang_runtime.test_specserve_server import reap_stopped
+
+    reap_stopped()
+
+
 @pytest.fixture(scope="session")
 def sglang_python() -> str:
     py = _sglang_python()
@@ -123,3 +133,21 @@ def servers(sglang_python, tiny_sglang_pair, tmp_path_factory):
     if pool.start_seconds:
         print("\nSGLang server start seconds:",
               {k: round(v, 1) for k, v in pool.start_seconds.items()})
+
+
+@pytest.fixture(scope="session")
+def tiny_plain(sglang_python, tiny_sglang_pair, tmp_path_factory):
+    """`sloserve.launch --engine sglang --spec-policy ar` on the tiny pair (SGLang's plain
+    decoding, the reference of the SPECSERVE modules' greedy and sampling tests): one server
+    for the session, as a start costs about a minute on a 2-core AVX2 machine. Yielded started
+    but maybe not ready: a module calls `.wait()` after starting its own servers beside it."""
+    from tests.sglang_runtime.test_specserve_server import LaunchedServer
+
+    target, draft = tiny_sglang_pair
+    server = LaunchedServer(sglang_python, ["--model-path", target, "--draft-model-path", draft,
+                                            "--spec-policy", "ar"],
+                            tmp_path_factory.mktemp("tiny_plain") / "server.log", {})
+    try:
+        yield server
+    finally:
+        server.stop(wait=False)

@@ -128,7 +128,7 @@ def planned(sglang_python, builtin_pair, tmp_path_factory):
         steps = [json.loads(x) for x in step_log.read_text().splitlines()]
         yield server, steps, outs
     finally:
-        server.stop()
+        server.stop(wait=False)
 
 
 def test_confidences_are_the_draft_models_probabilities(planned, builtin_pair):

@@ -101,7 +101,7 @@ def planned(sglang_python, smollm2_dir, prompts, tmp_path_factory):
         steps = [json.loads(x) for x in step_log.read_text().splitlines()]
         yield steps, category
     finally:
-        server.stop()
+        server.stop(wait=False)
 
 
 def _category_acceptance(steps: list[dict], category: dict[str, str]) -> dict[str, float]:

@@ -30,14 +30,13 @@ FORCED = (0, 4, 1, 3, 2, 4)
 
 
 @pytest.fixture(scope="module")
-def ragged(sglang_python, tiny_sglang_pair, tmp_path_factory):
+def ragged(sglang_python, tiny_sglang_pair, tiny_plain, tmp_path_factory):
     target, draft = tiny_sglang_pair
     logs = tmp_path_factory.mktemp("ragged_logs")
     pair = ["--model-path", target, "--draft-model-path", draft]
     spec = pair + ["--k-max", "4", "--spec-policy", "specserve", "--spec-profile",
                    str(TINY_PROFILE), "--spec-lengths", "per-request"]
     specs = {
-        "plain": (pair + ["--spec-policy", "ar"], {}),
         "forced": (spec + ["--spec-test-verify-lens", ",".join(map(str, FORCED)),
                            "--spec-step-log", str(logs / "forced.jsonl")], {}),
         "natural": (spec + ["--spec-step-log", str(logs / "natural.jsonl")], {}),
@@ -52,16 +51,17 @@ def ragged(sglang_python, tiny_sglang_pair, tmp_path_factory):
                             "--spec-step-log", str(logs / "trimmed.jsonl")], {}),
     }
     started: dict[str, LaunchedServer] = {}
-    for name in ("plain", "forced"):
-        args, env = specs[name]
-        started[name] = LaunchedServer(sglang_python, args, logs / f"{name}.log", env)
-    for s in list(started.values()):
-        s.wait()
+    args, env = specs["forced"]
+    started["forced"] = LaunchedServer(sglang_python, args, logs / "forced.log", env)
+    tiny_plain.wait()  # the session's plain server ("plain" below)
+    started["forced"].wait()
 
     def get(name: str) -> LaunchedServer:
+        if name == "plain":
+            return tiny_plain
         if name not in started:
-            for other in [n for n in started if n not in (name, "plain")]:
-                started.pop(other).stop()
+            for other in [n for n in started if n != name]:
+                started.pop(other).stop(wait=False)
             args, env = specs[name]
             started[name] = LaunchedServer(sglang_python, args, logs / f"{name}.log", env)
             started[name].wait()
@@ -71,7 +71,7 @@ def ragged(sglang_python, tiny_sglang_pair, tmp_path_factory):
                                  (logs / f"{name}.jsonl").read_text().splitlines()]
     yield get
     for s in started.values():
-        s.stop()
+        s.stop(wait=False)
 
 
 def test_greedy_equals_plain_with_0_and_4_verified_drafts_in_one_batch(ragged):

@@ -33,7 +33,7 @@ ALPHA = 1e-3
 
 
 @pytest.fixture(scope="module")
-def sampling_servers(sglang_python, tiny_sglang_pair, tmp_path_factory):
+def sampling_servers(sglang_python, tiny_sglang_pair, tiny_plain, tmp_path_factory):
     target, draft = tiny_sglang_pair
     logs = tmp_path_factory.mktemp("sampling_logs")
     pair = ["--model-path", target, "--draft-model-path", draft]
@@ -41,7 +41,6 @@ def sampling_servers(sglang_python, tiny_sglang_pair, tmp_path_factory):
                    str(TINY_PROFILE)]
     forced = base + ["--spec-test-verify-lens", "0,4,1,3,2,4", "--spec-lengths", "per-request"]
     specs = {
-        "plain": (pair + ["--spec-policy", "ar"], {}),
         "specserve": (forced, {}),
         "wrong": (forced + ["--spec-test-accept-all"], {}),
         # prompt lookup's deterministic proposals (q one-hot), mixed lengths likewise
@@ -58,13 +57,17 @@ def sampling_servers(sglang_python, tiny_sglang_pair, tmp_path_factory):
         key = name if prompt is PROMPT else f"{name}@ngram-prompt"
         if key in samples:
             return samples[key]
-        if name not in started:
-            for other in list(started):
-                started.pop(other).stop()
-            args, e = specs[name]
-            started[name] = LaunchedServer(sglang_python, args, logs / f"{name}.log", e)
-            started[name].wait()
-        server = started[name]
+        if name == "plain":  # the session's plain server, kept for the modules after this
+            server = tiny_plain
+            server.wait()
+        else:
+            if name not in started:
+                for other in list(started):
+                    started.pop(other).stop(wait=False)
+                args, e = specs[name]
+                started[name] = LaunchedServer(sglang_python, args, logs / f"{name}.log", e)
+                started[name].wait()
+            server = started[name]
         counts: Counter = Counter()
         steps = []
         for _ in range(N // BATCH):
@@ -79,7 +82,7 @@ def sampling_servers(sglang_python, tiny_sglang_pair, tmp_path_factory):
 
     yield sample
     for s in started.values():
-        s.stop()
+        s.stop(wait=False)
 
 
 def _p_value(a: Counter, b: Counter) -> float:

@@ -60,22 +60,41 @@ class LaunchedServer:
                 time.sleep(1.0)
         raise TimeoutError(self.log.read_text(errors="replace")[-8000:])
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
+        """SIGTERM to the server's process group; wait: until it exited (SGLang's shutdown
+        takes ~6 s on 2 cores), else a thread reaps it (`reap_stopped` joins them)."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, 15)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
+            if wait:
+                self._reap()
+            else:
+                t = threading.Thread(target=self._reap, daemon=True)
+                t.start()
+                _REAPERS.append(t)
+
+    def _reap(self) -> None:
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, 9)
+            self.proc.wait()
+
+
+_REAPERS: list[threading.Thread] = []
+
+
+def reap_stopped() -> None:
+    """Wait for every server stopped without waiting (conftest: at the session's end)."""
+    while _REAPERS:
+        _REAPERS.pop().join()
 
 
 @pytest.fixture(scope="module")
-def launched(sglang_python, tiny_sglang_pair, tmp_path_factory):
+def launched(sglang_python, tiny_sglang_pair, tiny_plain, tmp_path_factory):
     target, draft = tiny_sglang_pair
     logs = tmp_path_factory.mktemp("specserve_logs")
     pair = ["--model-path", target, "--draft-model-path", draft]
     specs = {
-        "plain": (pair + ["--spec-policy", "ar"], {}),
         # on this random pair plain steps (no draft forward at all) beat drafting; the SLO
         # rule's tests below need a policy that would draft were it not for the SLO: it
         # starts speculating where the predicted E is down to half of plain decoding's, and
@@ -102,25 +121,27 @@ def launched(sglang_python, tiny_sglang_pair, tmp_path_factory):
     started: dict[str, LaunchedServer] = {}
 
     def get(name: str, alone: bool = False) -> LaunchedServer:
-        """The named server, started on first use; alone: stop the others first (memory)."""
+        """The named server, started on first use; alone: stop the others first (memory).
+        "plain": the session's plain server (conftest's tiny_plain), never stopped here."""
+        if name == "plain":
+            return tiny_plain
         if alone:
             for other in [n for n in started if n != name]:
-                started.pop(other).stop()
+                started.pop(other).stop(wait=False)
         if name not in started:
             args, env = specs[name]
             started[name] = LaunchedServer(sglang_python, args, logs / f"{name}.log", env)
             started[name].wait()
         return started[name]
 
-    # two at a time: the first pair now, the third on first use
-    for name in ("plain", "specserve"):
-        args, env = specs[name]
-        started[name] = LaunchedServer(sglang_python, args, logs / f"{name}.log", env)
-    for s in list(started.values()):
-        s.wait()
+    # two at a time: SPECSERVE's now beside the session's plain one, the others on first use
+    args, env = specs["specserve"]
+    started["specserve"] = LaunchedServer(sglang_python, args, logs / "specserve.log", env)
+    tiny_plain.wait()
+    started["specserve"].wait()
     yield get
     for s in started.values():
-        s.stop()
+        s.stop(wait=False)
 
 
 def _post(url: str, path: str, body: dict) -> dict:
@@ -168,7 +189,7 @@ def test_registry_policies_serve_greedy_output_equal_to_plain(launched, name):
     custom_params.tpot_slo)."""
     prompts = _prompts(6, seed=61)
     want = [_gen(launched("plain"), p)["output_ids"] for p in prompts]
-    spec = launched(name, alone=True)  # memory: the others stop (plain restarts on use)
+    spec = launched(name, alone=True)  # memory: the module's others stop (plain is the session's)
     spellings = [{"tpot_slo": 5.0}, {"custom_params": {"tpot_slo": 5.0}}]
     got = [_gen(spec, p, **spellings[i % 2]) for i, p in enumerate(prompts)]
     assert [g["output_ids"] for g in got] == want
