@@ -9,7 +9,7 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from sloserve_testing import TINY_SHAPE  # noqa: E402
+from sloserve_testing import SMOLLM2_NEW, SMOLLM2_QUESTIONS, TINY_SHAPE  # noqa: E402
 
 from sloserve.runtime.config import EngineConfig  # noqa: E402
 from sloserve.runtime.engine import Engine  # noqa: E402
@@ -60,3 +60,30 @@ def hf_target(tiny_pair):
     model = AutoModelForCausalLM.from_pretrained(tiny_pair[0]).eval()
     model.generation_config.eos_token_id = None  # like ignore_eos: EOS is an ordinary token
     return model
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference() -> tuple[list[list[int]], list[list[int]]]:
+    """(SMOLLM2_QUESTIONS' prompt ids with the model's chat template, transformers' float32
+    greedy answers up to <|im_end|> or SMOLLM2_NEW tokens): computed once a session, for the
+    built-in engine's and SGLang's smollm2 modules alike."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sloserve.runtime.models.presets import resolve_dir
+
+    path = str(resolve_dir("smollm2"))
+    tok = AutoTokenizer.from_pretrained(path)
+    # generation_config.json: stop at <|im_end|> (2) as the engines do. (Clearing
+    # eos_token_id to mimic ignore_eos changes transformers' greedy tokens themselves.)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts, answers = [], []
+    for q in SMOLLM2_QUESTIONS:
+        p = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                    tokenize=True, return_dict=True)["input_ids"]
+        with torch.inference_mode():
+            out = hf.generate(torch.tensor([p]), max_new_tokens=SMOLLM2_NEW, do_sample=False,
+                              pad_token_id=2)[0, len(p):].tolist()
+        prompts.append(p)
+        answers.append(out)
+    return prompts, answers

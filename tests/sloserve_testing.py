@@ -48,6 +48,7 @@ def chi2_pvalue(samples: Counter, dist: dict) -> float:
 
 # chat prompts for the real model's tests (tests/runtime/test_smollm2.py, the SGLang one):
 # code, facts, a summary, copying, explaining, translating, a code fix, a poem
+SMOLLM2_NEW = 64  # answer tokens the smollm2 modules compare (up to <|im_end|>)
 SMOLLM2_QUESTIONS = [
     "Write a Python function that returns the n-th Fibonacci number.",
     "What is the capital of France? Answer in one sentence.",

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from sloserve_testing import SMOLLM2_QUESTIONS as QUESTIONS
+from sloserve_testing import SMOLLM2_NEW
 
 from sloserve.runtime.config import EngineConfig
 from sloserve.runtime.engine import Engine
@@ -29,7 +29,7 @@ from sloserve.runtime.scheduler import SchedulerConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
-NEW = 64
+NEW = SMOLLM2_NEW
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +40,8 @@ def smollm2_dir() -> str:
 
 
 @pytest.fixture(scope="module")
-def prompts(smollm2_dir) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                    tokenize=True, return_dict=True)["input_ids"]
-            for q in QUESTIONS]
+def prompts(smollm2_reference) -> list[list[int]]:
+    return smollm2_reference[0]
 
 
 def _engine(policy: str, drafter: str, dtype: str) -> Engine:
@@ -73,18 +68,10 @@ def plain_greedy(prompts):
     return get
 
 
-def test_converted_model_equals_transformers_greedy(smollm2_dir, prompts, plain_greedy):
-    from transformers import AutoModelForCausalLM
-
-    # generation_config.json: stop at <|im_end|> (2) as the engine does. (Clearing
-    # eos_token_id to mimic ignore_eos changes transformers' greedy tokens themselves.)
-    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+def test_converted_model_equals_transformers_greedy(smollm2_reference, plain_greedy):
+    prompts, reference = smollm2_reference  # transformers' generate (tests/conftest.py)
     ours = plain_greedy("float32")
-    for p, got in zip(prompts, ours):
-        with torch.inference_mode():
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False,
-                              pad_token_id=2)[0, len(p):].tolist()
-        assert got == ref
+    assert ours == reference
     assert sum(map(len, ours)) >= 4 * NEW  # most answers are long: the comparison has teeth
 
 

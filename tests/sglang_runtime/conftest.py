@@ -5,7 +5,6 @@ python, the tiny model pair, and a module-scoped pool of servers started at most
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from sloserve.sglang_cpu.cpu_server import (
     wait_ready,
 )
 from sloserve.sglang_cpu.tiny_pair import ensure_tiny_pair
+from tests.sglang_runtime.launched import LaunchedServer, free_port, reap_stopped
 
 REPO = Path(__file__).resolve().parents[2]
 # float32: the backends and the transformers reference then differ only by summation order.
@@ -48,8 +48,6 @@ def _reap_stopped_servers():
     """Servers stopped without waiting for SGLang's shutdown (`LaunchedServer.stop(wait=
     False)`: the next one starts meanwhile) have all exited by the session's end."""
     yield
-    from tests.sglang_runtime.test_specserve_server import reap_stopped
-
     reap_stopped()
 
 
@@ -68,12 +66,6 @@ def tiny_sglang_pair() -> tuple[str, str]:
     return str(target), str(draft)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServerPool:
     """Named SGLang servers, each started on first request and kept for the module."""
 
@@ -87,7 +79,7 @@ class ServerPool:
         new = [n for n in names if n not in self.running]
         t0 = time.monotonic()
         for name in new:
-            cfg = CPUServerConfig(port=_free_port(), extra_args=SERVER_ARGS, **self.configs[name])
+            cfg = CPUServerConfig(port=free_port(), extra_args=SERVER_ARGS, **self.configs[name])
             proc = start_server(cfg, self.python, self.logs / f"{name}.log")
             self.running[name] = (cfg, proc)
         for name in new:
@@ -141,8 +133,6 @@ def tiny_plain(sglang_python, tiny_sglang_pair, tmp_path_factory):
     decoding, the reference of the SPECSERVE modules' greedy and sampling tests): one server
     for the session, as a start costs about a minute on a 2-core AVX2 machine. Yielded started
     but maybe not ready: a module calls `.wait()` after starting its own servers beside it."""
-    from tests.sglang_runtime.test_specserve_server import LaunchedServer
-
     target, draft = tiny_sglang_pair
     server = LaunchedServer(sglang_python, ["--model-path", target, "--draft-model-path", draft,
                                             "--spec-policy", "ar"],

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -21,6 +20,8 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from tests.sglang_runtime.launched import free_port
 
 pytestmark = pytest.mark.timeout(2400)
 
@@ -53,16 +54,10 @@ POISONS = [
 ]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(sglang_python, tiny_sglang_pair, tmp_path_factory):
     target, draft = tiny_sglang_pair
-    port = _port()
+    port = free_port()
     log = tmp_path_factory.mktemp("guard") / "server.log"
     cmd = [sglang_python, "-m", "sloserve.launch", "--engine", "sglang", "--port", str(port),
            "--model-path", target, "--draft-model-path", draft, "--k-max", "4",

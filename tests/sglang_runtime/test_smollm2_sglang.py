@@ -17,14 +17,13 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
-from sloserve_testing import SMOLLM2_QUESTIONS as QUESTIONS
+from sloserve_testing import SMOLLM2_NEW
 
-from tests.sglang_runtime.test_specserve_server import LaunchedServer, _post
+from tests.sglang_runtime.launched import ServerQueue, post
 
 pytestmark = pytest.mark.timeout(2400)
 
-NEW = 64
+NEW = SMOLLM2_NEW
 # prompts each speculative server answers one at a time (all of them batched): 3 of 8 keeps
 # CI's five servers of this module within minutes on a 2-core AVX2 machine
 ALONE = 3
@@ -38,42 +37,21 @@ def smollm2_dir() -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_dir) -> tuple[list[list[int]], list[list[int]]]:
+def reference(smollm2_reference) -> tuple[list[list[int]], list[list[int]]]:
     """(prompt ids, transformers' greedy answers up to <|im_end|> or NEW tokens)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    prompts, answers = [], []
-    for q in QUESTIONS:
-        p = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                    tokenize=True, return_dict=True)["input_ids"]
-        with torch.inference_mode():
-            out = hf.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False,
-                              pad_token_id=2)[0, len(p):].tolist()
-        prompts.append(p)
-        answers.append(out)
-    return prompts, answers
-
-
-@pytest.fixture(scope="module")
-def server(sglang_python, smollm2_dir, tmp_path_factory):
-    s = LaunchedServer(sglang_python, ["--model", "smollm2", "--spec-policy", "ar"],
-                       tmp_path_factory.mktemp("smollm2") / "server.log", {})
-    try:
-        s.wait()
-        yield s
-    finally:
-        s.stop(wait=False)
+    return smollm2_reference
 
 
 def _greedy(server, ids: list[int]) -> list[int]:
-    out = _post(server.url, "/generate", {"input_ids": ids, "sampling_params": {
+    out = post(server.url, "/generate", {"input_ids": ids, "sampling_params": {
         "max_new_tokens": NEW, "temperature": 0}})
     return out["output_ids"]
 
 
-def test_sglang_greedy_equals_transformers(server, reference):
+def test_sglang_greedy_equals_transformers(servers, reference):
+    """SGLang's plain decoding of the preset (`--spec-policy ar`, started while transformers
+    computes the reference)."""
+    server = servers("plain")
     prompts, answers = reference
     alone = [_greedy(server, p) for p in prompts]
     with ThreadPoolExecutor(len(prompts)) as pool:
@@ -84,8 +62,9 @@ def test_sglang_greedy_equals_transformers(server, reference):
     assert sum(map(len, answers)) >= 4 * NEW
 
 
-def test_sglang_chat_answers_meaningfully(server):
-    out = _post(server.url, "/v1/chat/completions", {
+def test_sglang_chat_answers_meaningfully(servers):
+    server = servers("plain")
+    out = post(server.url, "/v1/chat/completions", {
         "model": "smollm2", "max_tokens": 32, "temperature": 0,
         "messages": [{"role": "user", "content": "What is the capital of France?"}]})
     assert "Paris" in out["choices"][0]["message"]["content"]
@@ -106,46 +85,32 @@ SPEC_SYSTEMS = {
 
 
 @pytest.fixture(scope="module")
-def spec_server(sglang_python, tmp_path_factory):
-    """SPEC_SYSTEMS' servers, in their order: each starts while the one before it is tested
-    (a start is mostly one core's Python imports, a test's decoding the other core's), and
-    is stopped when the next one is asked for."""
+def servers(sglang_python, smollm2_dir, tmp_path_factory):
+    """The plain server, then SPEC_SYSTEMS' in their order: each starts while the one before
+    it is tested (a start is mostly one core's Python imports, a test's decoding the other
+    core's), and is stopped when the next one is asked for."""
     from sloserve.runtime.models.presets import PRESETS
 
     draft = PRESETS["smollm2"].draft()
     assert draft is not None, "the distilled draft ships with the repository"
-    logs = tmp_path_factory.mktemp("smollm2_spec")
-    order = list(SPEC_SYSTEMS)
-    started: dict[str, LaunchedServer] = {}
-
-    def launch(system: str) -> None:
-        args = ["--model", "smollm2", *SPEC_SYSTEMS[system]]
+    specs = {"plain": (["--model", "smollm2", "--spec-policy", "ar"], {})}
+    for system, args in SPEC_SYSTEMS.items():
         if system.startswith("standalone"):
-            args += ["--speculative-draft-model-path", str(draft)]
-        started[system] = LaunchedServer(sglang_python, args, logs / f"{system}.log", {})
-
-    def get(system: str) -> LaunchedServer:
-        i = order.index(system)
-        for other in [n for n in started if order.index(n) < i]:
-            started.pop(other).stop(wait=False)
-        for name in order[i:i + 2]:
-            if name not in started:
-                launch(name)
-        started[system].wait()
-        return started[system]
-
-    yield get
-    for server in started.values():
-        server.stop(wait=False)
+            args = [*args, "--speculative-draft-model-path", str(draft)]
+        specs[system] = (["--model", "smollm2", *args], {})
+    queue = ServerQueue(sglang_python, tmp_path_factory.mktemp("smollm2"), specs)
+    queue.start("plain")
+    yield queue
+    queue.close()
 
 
 @pytest.mark.parametrize("system", list(SPEC_SYSTEMS))
-def test_speculation_with_the_distilled_draft_is_lossless(spec_server, reference, system):
-    s = spec_server(system)
+def test_speculation_with_the_distilled_draft_is_lossless(servers, reference, system):
+    s = servers(system)
     prompts, answers = reference
 
     def run(ids: list[int]) -> dict:
-        return _post(s.url, "/generate", {"input_ids": ids, "sampling_params": {
+        return post(s.url, "/generate", {"input_ids": ids, "sampling_params": {
             "max_new_tokens": NEW, "temperature": 0}})
 
     # alone: the first ALONE prompts (a batch of one; every prompt is checked batched, where

@@ -37,12 +37,8 @@ import torch
 from sloserve.estimator.acceptance import ConfidenceCalibrator
 from sloserve.estimator.profile_file import model_key
 from sloserve.estimator.profile_lookup import fingerprint
-from tests.sglang_runtime.test_specserve_server import (
-    REPO,
-    LaunchedServer,
-    _gen,
-    _prompts,
-)
+from tests.sglang_runtime.launched import REPO, LaunchedServer
+from tests.sglang_runtime.test_specserve_server import _gen, _prompts
 
 pytestmark = pytest.mark.timeout(2400)
 

@@ -33,8 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from sloserve.replay.specbench import SHARED_PROMPTS, load_spec_bench
+from tests.sglang_runtime.launched import LaunchedServer, post
 from tests.sglang_runtime.test_specserve_plan import check_step_log
-from tests.sglang_runtime.test_specserve_server import LaunchedServer, _post
 
 pytestmark = pytest.mark.timeout(2400)
 
@@ -91,7 +91,7 @@ def planned(sglang_python, smollm2_dir, prompts, tmp_path_factory):
 
         def gen(item: tuple[str, list[int]]) -> None:
             c, ids = item
-            out = _post(server.url, "/generate", {"input_ids": ids, "sampling_params": {
+            out = post(server.url, "/generate", {"input_ids": ids, "sampling_params": {
                 "max_new_tokens": NEW, "temperature": 0}})
             category[out["meta_info"]["id"]] = c
 

@@ -6,8 +6,9 @@ calibration map.
 Servers (one set per module, started as a user does, `python -m sloserve.launch --engine
 sglang`): SGLang without speculation (the reference), SPECSERVE with the TEST-ONLY setting
 --spec-test-verify-lens (every request drafts k_max = 4 and batch row i verifies
-FORCED[(i + n) % 6] drafts in the n-th step: 0 and 4 in one batch), and SPECSERVE as it runs (its own
-plan). Both SPECSERVE servers write their per-step decisions to a step log
+FORCED[(i + n) % 6] drafts in the n-th step: 0 and 4 in one batch), and SPECSERVE with one
+draft length per batch and each request's verify trimmed by its own plan (--spec-lengths
+trim), started while the first is tested. Both SPECSERVE servers write their per-step decisions to a step log
 (--spec-step-log) that the tests read."""
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import json
 
 import pytest
 
+from tests.sglang_runtime.launched import ServerQueue
 from tests.sglang_runtime.test_specserve_server import (
     TINY_PROFILE,
-    LaunchedServer,
     _all_at_once,
     _gen,
     _prompts,
@@ -39,7 +40,6 @@ def ragged(sglang_python, tiny_sglang_pair, tiny_plain, tmp_path_factory):
     specs = {
         "forced": (spec + ["--spec-test-verify-lens", ",".join(map(str, FORCED)),
                            "--spec-step-log", str(logs / "forced.jsonl")], {}),
-        "natural": (spec + ["--spec-step-log", str(logs / "natural.jsonl")], {}),
         # one draft length per batch, each request's verify trimmed from the chain's
         # confidences (without the uniform-first margin, so the plan may trim)
         "trimmed": (pair + ["--k-max", "4", "--spec-policy", "specserve", "--spec-profile",
@@ -50,28 +50,12 @@ def ragged(sglang_python, tiny_sglang_pair, tiny_plain, tmp_path_factory):
                             "--spec-options", "uniform_margin=0,correct_cost=false",
                             "--spec-step-log", str(logs / "trimmed.jsonl")], {}),
     }
-    started: dict[str, LaunchedServer] = {}
-    args, env = specs["forced"]
-    started["forced"] = LaunchedServer(sglang_python, args, logs / "forced.log", env)
-    tiny_plain.wait()  # the session's plain server ("plain" below)
-    started["forced"].wait()
-
-    def get(name: str) -> LaunchedServer:
-        if name == "plain":
-            return tiny_plain
-        if name not in started:
-            for other in [n for n in started if n != name]:
-                started.pop(other).stop(wait=False)
-            args, env = specs[name]
-            started[name] = LaunchedServer(sglang_python, args, logs / f"{name}.log", env)
-            started[name].wait()
-        return started[name]
-
+    get = ServerQueue(sglang_python, logs, specs, shared={"plain": tiny_plain})
+    get.start("forced")  # beside the session's plain server ("plain" below)
     get.step_log = lambda name: [json.loads(x) for x in  # type: ignore[attr-defined]
                                  (logs / f"{name}.jsonl").read_text().splitlines()]
     yield get
-    for s in started.values():
-        s.stop(wait=False)
+    get.close()
 
 
 def test_greedy_equals_plain_with_0_and_4_verified_drafts_in_one_batch(ragged):

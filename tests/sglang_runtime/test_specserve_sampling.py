@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from scipy.stats import chi2_contingency
 
-from tests.sglang_runtime.test_specserve_server import TINY_PROFILE, LaunchedServer, _post
+from tests.sglang_runtime.launched import ServerQueue, post
+from tests.sglang_runtime.test_specserve_server import TINY_PROFILE
 
 pytestmark = pytest.mark.timeout(2400)
 
@@ -40,39 +41,30 @@ def sampling_servers(sglang_python, tiny_sglang_pair, tiny_plain, tmp_path_facto
     base = pair + ["--k-max", "4", "--spec-policy", "specserve", "--spec-profile",
                    str(TINY_PROFILE)]
     forced = base + ["--spec-test-verify-lens", "0,4,1,3,2,4", "--spec-lengths", "per-request"]
-    specs = {
+    specs = {  # in the order the tests below use them
         "specserve": (forced, {}),
+        # the default mode (one k per batch), its k forced in rotation by the profiler's sweep
+        "uniform": (base + ["--spec-lengths", "uniform", "--spec-sweep", "0,4,1,3,2,4"], {}),
         "wrong": (forced + ["--spec-test-accept-all"], {}),
         # prompt lookup's deterministic proposals (q one-hot), mixed lengths likewise
         "ngram": (forced + ["--drafter", "ngram"], {}),
-        # the default mode (one k per batch), its k forced in rotation by the profiler's sweep
-        "uniform": (base + ["--spec-lengths", "uniform", "--spec-sweep", "0,4,1,3,2,4"], {}),
     }
-    started: dict[str, LaunchedServer] = {}
+    queue = ServerQueue(sglang_python, logs, specs, shared={"plain": tiny_plain})
+    queue.start("specserve")
     samples: dict[str, Counter] = {}
 
     def sample(name: str, prompt: list[int] = PROMPT) -> Counter:
-        """Counts of the generated (t1, .., t4) over N requests for `prompt` (the server
-        started on first use, one at a time)."""
+        """Counts of the generated (t1, .., t4) over N requests for `prompt` (the next
+        server starts meanwhile)."""
         key = name if prompt is PROMPT else f"{name}@ngram-prompt"
         if key in samples:
             return samples[key]
-        if name == "plain":  # the session's plain server, kept for the modules after this
-            server = tiny_plain
-            server.wait()
-        else:
-            if name not in started:
-                for other in list(started):
-                    started.pop(other).stop(wait=False)
-                args, e = specs[name]
-                started[name] = LaunchedServer(sglang_python, args, logs / f"{name}.log", e)
-                started[name].wait()
-            server = started[name]
+        server = queue(name)  # "plain": the session's, kept for the modules after this
         counts: Counter = Counter()
         steps = []
         for _ in range(N // BATCH):
-            out = _post(server.url, "/generate", {"input_ids": [prompt] * BATCH,
-                                                  "sampling_params": SAMPLING})
+            out = post(server.url, "/generate", {"input_ids": [prompt] * BATCH,
+                                                 "sampling_params": SAMPLING})
             for o in out:
                 counts[tuple(o["output_ids"])] += 1
                 steps += o["meta_info"].get("sloserve_draft_steps", [])
@@ -81,8 +73,7 @@ def sampling_servers(sglang_python, tiny_sglang_pair, tiny_plain, tmp_path_facto
         return counts
 
     yield sample
-    for s in started.values():
-        s.stop(wait=False)
+    queue.close()
 
 
 def _p_value(a: Counter, b: Counter) -> float:

@@ -5,88 +5,25 @@ Greedy output equals SGLang's own plain decoding (`--spec-policy ar`), one at a 
 batched; with draft = target every draft is accepted (the draft's KV aligned to the
 sequence, draft_chain.py); the controller's per-step decisions are in meta_info and follow
 concurrency and per-request SLOs; SGLang's frontend and the OpenAI client work against it.
-Servers start once per module, two at a time (60-100 s each on 2 cores)."""
+Servers start once per module, each while the one before it is tested (launched.py)."""
 
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import threading
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.sglang_runtime.launched import REPO, ServerQueue, post
+
 pytestmark = pytest.mark.timeout(2400)
 
 MAX_NEW = 32
-REPO = Path(__file__).resolve().parents[2]
 # the controller's cost profile of SGLang's forwards of the tiny pair on this CPU type
 TINY_PROFILE = REPO / "tests" / "sglang_runtime" / "tiny_pair_sglang_profile.json"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LaunchedServer:
-    def __init__(self, python: str, args: list[str], log: Path, env: dict[str, str]):
-        self.port = _port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        cmd = [python, "-m", "sloserve.launch", "--engine", "sglang", "--port", str(self.port),
-               "--dtype", "float32", "--log-level", "warning", *args]
-        self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, cwd=REPO,
-                                     stdout=open(log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
-                                     start_new_session=True)
-
-    def wait(self, timeout: float = 900) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}:\n"
-                                   f"{self.log.read_text(errors='replace')[-8000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/health_generate", timeout=30):
-                    return
-            except OSError:
-                time.sleep(1.0)
-        raise TimeoutError(self.log.read_text(errors="replace")[-8000:])
-
-    def stop(self, wait: bool = True) -> None:
-        """SIGTERM to the server's process group; wait: until it exited (SGLang's shutdown
-        takes ~6 s on 2 cores), else a thread reaps it (`reap_stopped` joins them)."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, 15)
-            if wait:
-                self._reap()
-            else:
-                t = threading.Thread(target=self._reap, daemon=True)
-                t.start()
-                _REAPERS.append(t)
-
-    def _reap(self) -> None:
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, 9)
-            self.proc.wait()
-
-
-_REAPERS: list[threading.Thread] = []
-
-
-def reap_stopped() -> None:
-    """Wait for every server stopped without waiting (conftest: at the session's end)."""
-    while _REAPERS:
-        _REAPERS.pop().join()
 
 
 @pytest.fixture(scope="module")
@@ -103,11 +40,6 @@ def launched(sglang_python, tiny_sglang_pair, tiny_plain, tmp_path_factory):
         "specserve": (pair + ["--k-max", "4", "--spec-policy", "specserve",
                               "--spec-options", "start_margin=-0.5,initial_overrun=1",
                               "--spec-profile", str(TINY_PROFILE)], {}),
-        "self": (["--model-path", target, "--draft-model-path", target, "--k-max", "4",
-                  "--spec-policy", "specserve", "--spec-profile", str(TINY_PROFILE)], {}),
-        # draft = target; batches of 3 or more draft nothing (a batch-size table)
-        "selfskip": (["--model-path", target, "--draft-model-path", target, "--k-max", "4",
-                      "--spec-policy", "lut:2=3", "--spec-profile", str(TINY_PROFILE)], {}),
         # other policies of the registry through the same session (issue #29)
         "fixed3": (pair + ["--k-max", "4", "--spec-policy", "fixed:3",
                            "--spec-profile", str(TINY_PROFILE)], {}),
@@ -115,44 +47,22 @@ def launched(sglang_python, tiny_sglang_pair, tiny_plain, tmp_path_factory):
                         "--spec-profile", str(TINY_PROFILE)], {}),
         "slo": (pair + ["--k-max", "4", "--spec-policy", "specserve-slo", "--tpot-slo", "2s",
                         "--spec-profile", str(TINY_PROFILE)], {}),
+        "self": (["--model-path", target, "--draft-model-path", target, "--k-max", "4",
+                  "--spec-policy", "specserve", "--spec-profile", str(TINY_PROFILE)], {}),
+        # draft = target; batches of 3 or more draft nothing (a batch-size table)
+        "selfskip": (["--model-path", target, "--draft-model-path", target, "--k-max", "4",
+                      "--spec-policy", "lut:2=3", "--spec-profile", str(TINY_PROFILE)], {}),
         # no model options: the built-in pair, as `sloserve.launch --engine sglang` serves it
         "builtin": (["--tpot-slo", "30ms"], {}),
     }
-    started: dict[str, LaunchedServer] = {}
-
-    def get(name: str, alone: bool = False) -> LaunchedServer:
-        """The named server, started on first use; alone: stop the others first (memory).
-        "plain": the session's plain server (conftest's tiny_plain), never stopped here."""
-        if name == "plain":
-            return tiny_plain
-        if alone:
-            for other in [n for n in started if n != name]:
-                started.pop(other).stop(wait=False)
-        if name not in started:
-            args, env = specs[name]
-            started[name] = LaunchedServer(sglang_python, args, logs / f"{name}.log", env)
-            started[name].wait()
-        return started[name]
-
-    # two at a time: SPECSERVE's now beside the session's plain one, the others on first use
-    args, env = specs["specserve"]
-    started["specserve"] = LaunchedServer(sglang_python, args, logs / "specserve.log", env)
-    tiny_plain.wait()
-    started["specserve"].wait()
-    yield get
-    for s in started.values():
-        s.stop(wait=False)
-
-
-def _post(url: str, path: str, body: dict) -> dict:
-    req = urllib.request.Request(url + path, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=1200) as r:
-        return json.loads(r.read())
+    queue = ServerQueue(sglang_python, logs, specs, shared={"plain": tiny_plain})
+    queue.start("specserve")  # beside the session's plain server
+    yield queue
+    queue.close()
 
 
 def _gen(server, ids, max_new=MAX_NEW, **sampling) -> dict:
-    return _post(server.url, "/generate", {"input_ids": ids, "sampling_params": {
+    return post(server.url, "/generate", {"input_ids": ids, "sampling_params": {
         "max_new_tokens": max_new, "temperature": 0, "ignore_eos": True, **sampling}})
 
 
@@ -179,25 +89,6 @@ def test_greedy_output_equals_plain_decoding(launched):
     batch = _prompts(12, seed=22) + alone[:4]  # 4 repeats hit SGLang's radix cache
     assert [g["output_ids"] for g in _all_at_once(spec, batch)] == \
         [g["output_ids"] for g in _all_at_once(plain, batch)]
-
-
-@pytest.mark.parametrize("name", ["fixed3", "lut", "slo"])
-def test_registry_policies_serve_greedy_output_equal_to_plain(launched, name):
-    """--spec-policy fixed:3, lut and specserve-slo (any policy of the registry runs in the
-    worker's session, issue #29): greedy output equals SGLang's plain decoding, alone and
-    batched, with a per-request SLO in either spelling (sampling_params.tpot_slo or
-    custom_params.tpot_slo)."""
-    prompts = _prompts(6, seed=61)
-    want = [_gen(launched("plain"), p)["output_ids"] for p in prompts]
-    spec = launched(name, alone=True)  # memory: the module's others stop (plain is the session's)
-    spellings = [{"tpot_slo": 5.0}, {"custom_params": {"tpot_slo": 5.0}}]
-    got = [_gen(spec, p, **spellings[i % 2]) for i, p in enumerate(prompts)]
-    assert [g["output_ids"] for g in got] == want
-    steps = [k for g in got for k in g["meta_info"]["sloserve_draft_steps"]]
-    assert max(steps) > 0, steps
-    if name == "fixed3":
-        assert set(steps) == {3}, steps
-    assert [g["output_ids"] for g in _all_at_once(spec, prompts)] == want
 
 
 def test_draft_steps_fall_as_concurrency_rises(launched):
@@ -284,8 +175,27 @@ def test_openai_client_and_sglang_frontend(launched):
     assert meta["spec_accept_length"] >= 1.0 and len(meta["sloserve_draft_steps"]) >= 1
 
 
+@pytest.mark.parametrize("name", ["fixed3", "lut", "slo"])
+def test_registry_policies_serve_greedy_output_equal_to_plain(launched, name):
+    """--spec-policy fixed:3, lut and specserve-slo (any policy of the registry runs in the
+    worker's session, issue #29): greedy output equals SGLang's plain decoding, alone and
+    batched, with a per-request SLO in either spelling (sampling_params.tpot_slo or
+    custom_params.tpot_slo)."""
+    prompts = _prompts(6, seed=61)
+    want = [_gen(launched("plain"), p)["output_ids"] for p in prompts]
+    spec = launched(name)
+    spellings = [{"tpot_slo": 5.0}, {"custom_params": {"tpot_slo": 5.0}}]
+    got = [_gen(spec, p, **spellings[i % 2]) for i, p in enumerate(prompts)]
+    assert [g["output_ids"] for g in got] == want
+    steps = [k for g in got for k in g["meta_info"]["sloserve_draft_steps"]]
+    assert max(steps) > 0, steps
+    if name == "fixed3":
+        assert set(steps) == {3}, steps
+    assert [g["output_ids"] for g in _all_at_once(spec, prompts)] == want
+
+
 def test_draft_equal_to_target_is_always_accepted(launched):
-    server = launched("self", alone=True)
+    server = launched("self")
     metas = [m["meta_info"] for m in _all_at_once(server, _prompts(8, seed=23))]
     metas += [_gen(server, p)["meta_info"] for p in _prompts(4, seed=24)]
     proposed = sum(sum(m["sloserve_draft_steps"]) for m in metas)
@@ -299,7 +209,7 @@ def test_steps_without_drafting_leave_the_draft_aligned(launched):
     accepted: after skipped steps in the same request, and in a new request whose cached
     prefix (SGLang's radix cache) holds a finished request's skipped positions. (Without the
     catch-up this acceptance was 0.81.)"""
-    server = launched("selfskip", alone=True)
+    server = launched("selfskip")
     g = torch.Generator().manual_seed(31)
     prompts = [torch.randint(10, 2048, (20,), generator=g).tolist() for _ in range(3)]
     with ThreadPoolExecutor(3) as pool:  # three at once: nobody drafts until the first ends
@@ -322,12 +232,12 @@ def test_steps_without_drafting_leave_the_draft_aligned(launched):
 
 
 def test_serves_the_builtin_pair_as_sglang_does(launched):
-    server = launched("builtin", alone=True)
-    out = _post(server.url, "/generate", {"text": "Once upon a time", "sampling_params": {
+    server = launched("builtin")
+    out = post(server.url, "/generate", {"text": "Once upon a time", "sampling_params": {
         "max_new_tokens": 8, "temperature": 0}})
     assert isinstance(out["text"], str) and out["meta_info"]["completion_tokens"] >= 1
     assert "sloserve_draft_steps" in out["meta_info"]
-    chat = _post(server.url, "/v1/chat/completions", {
+    chat = post(server.url, "/v1/chat/completions", {
         "model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8})
     assert chat["choices"][0]["message"]["role"] == "assistant"
     assert chat["usage"]["completion_tokens"] >= 1
