@@ -1,7 +1,8 @@
 """SGLang servers started as a user starts them (`python -m sloserve.launch --engine sglang
 ...` in the SGLang environment), for the live test modules: `LaunchedServer` one server,
-`ServerQueue` a module's servers in the order its tests use them, each started while the one
-before it is tested (a start costs 40-100 s on 2 cores, mostly one core's Python imports)."""
+`ServerQueue` a module's servers in the order its tests use them, each started when the one
+before it is done or, where the tests allow, while it is tested (a start costs 40-130 s on
+2 cores)."""
 
 from __future__ import annotations
 
@@ -85,15 +86,17 @@ def reap_stopped() -> None:
 
 class ServerQueue:
     """A module's servers by name, `specs` in the order its tests ask for them: asking for
-    one stops the ones before it and starts the next, so that each starts while the one
-    before it is tested; `shared` servers (the session's) are only waited for. A name asked
-    for again after a later one was started again (correct, only slower)."""
+    one stops the ones before it and, `ahead`, starts the next, so that it starts while the
+    one before it is tested (for tests that neither time nor race their requests: a start
+    takes much of the 2 cores); `shared` servers (the session's) are only waited for. A
+    name asked for again after a later one is started again (correct, only slower)."""
 
     def __init__(self, python: str, logs: Path, specs: dict[str, tuple[list[str], dict]],
-                 shared: dict[str, LaunchedServer] | None = None):
+                 shared: dict[str, LaunchedServer] | None = None, ahead: bool = True):
         self.python, self.logs, self.specs = python, logs, specs
         self.order = list(specs)
         self.shared = shared or {}
+        self.ahead = ahead
         self.started: dict[str, LaunchedServer] = {}
 
     def start(self, name: str) -> None:
@@ -109,7 +112,7 @@ class ServerQueue:
         i = self.order.index(name)
         for other in [n for n in self.started if self.order.index(n) < i]:
             self.started.pop(other).stop(wait=False)
-        for n in self.order[i:i + 2]:
+        for n in self.order[i:i + 1 + self.ahead]:
             self.start(n)
         self.started[name].wait()
         return self.started[name]

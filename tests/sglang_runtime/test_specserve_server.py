@@ -5,7 +5,7 @@ Greedy output equals SGLang's own plain decoding (`--spec-policy ar`), one at a 
 batched; with draft = target every draft is accepted (the draft's KV aligned to the
 sequence, draft_chain.py); the controller's per-step decisions are in meta_info and follow
 concurrency and per-request SLOs; SGLang's frontend and the OpenAI client work against it.
-Servers start once per module, each while the one before it is tested (launched.py)."""
+Servers start once per module, one after another (launched.py)."""
 
 from __future__ import annotations
 
@@ -43,8 +43,6 @@ def launched(sglang_python, tiny_sglang_pair, tiny_plain, tmp_path_factory):
         # other policies of the registry through the same session (issue #29)
         "fixed3": (pair + ["--k-max", "4", "--spec-policy", "fixed:3",
                            "--spec-profile", str(TINY_PROFILE)], {}),
-        "lut": (pair + ["--k-max", "4", "--spec-policy", "lut",
-                        "--spec-profile", str(TINY_PROFILE)], {}),
         "slo": (pair + ["--k-max", "4", "--spec-policy", "specserve-slo", "--tpot-slo", "2s",
                         "--spec-profile", str(TINY_PROFILE)], {}),
         "self": (["--model-path", target, "--draft-model-path", target, "--k-max", "4",
@@ -55,7 +53,8 @@ def launched(sglang_python, tiny_sglang_pair, tiny_plain, tmp_path_factory):
         # no model options: the built-in pair, as `sloserve.launch --engine sglang` serves it
         "builtin": (["--tpot-slo", "30ms"], {}),
     }
-    queue = ServerQueue(sglang_python, logs, specs, shared={"plain": tiny_plain})
+    # one at a time: the tests below time their steps and send requests "at once"
+    queue = ServerQueue(sglang_python, logs, specs, shared={"plain": tiny_plain}, ahead=False)
     queue.start("specserve")  # beside the session's plain server
     yield queue
     queue.close()
@@ -175,12 +174,12 @@ def test_openai_client_and_sglang_frontend(launched):
     assert meta["spec_accept_length"] >= 1.0 and len(meta["sloserve_draft_steps"]) >= 1
 
 
-@pytest.mark.parametrize("name", ["fixed3", "lut", "slo"])
+@pytest.mark.parametrize("name", ["fixed3", "slo"])
 def test_registry_policies_serve_greedy_output_equal_to_plain(launched, name):
-    """--spec-policy fixed:3, lut and specserve-slo (any policy of the registry runs in the
-    worker's session, issue #29): greedy output equals SGLang's plain decoding, alone and
-    batched, with a per-request SLO in either spelling (sampling_params.tpot_slo or
-    custom_params.tpot_slo)."""
+    """--spec-policy fixed:3 and specserve-slo (any policy of the registry runs in the
+    worker's session, issue #29; lut below, on the self-draft): greedy output equals SGLang's
+    plain decoding, alone and batched, with a per-request SLO in either spelling
+    (sampling_params.tpot_slo or custom_params.tpot_slo)."""
     prompts = _prompts(6, seed=61)
     want = [_gen(launched("plain"), p)["output_ids"] for p in prompts]
     spec = launched(name)
@@ -215,6 +214,11 @@ def test_steps_without_drafting_leave_the_draft_aligned(launched):
     with ThreadPoolExecutor(3) as pool:  # three at once: nobody drafts until the first ends
         outs = list(pool.map(lambda a: _gen(server, a[0], max_new=a[1]),
                              zip(prompts, [8, 40, 64])))
+    plain = launched("plain")  # the lut policy's greedy output is plain decoding's
+    with ThreadPoolExecutor(3) as pool:
+        want = list(pool.map(lambda a: _gen(plain, a[0], max_new=a[1]),
+                             zip(prompts, [8, 40, 64])))
+    assert [o["output_ids"] for o in outs] == [w["output_ids"] for w in want]
     steps = [o["meta_info"]["sloserve_draft_steps"] for o in outs]
     assert steps[0] and not any(steps[0])  # ended inside the batch of three
     for st in steps[1:]:  # skipped steps, then drafting again
