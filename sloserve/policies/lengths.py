@@ -14,7 +14,9 @@ from sloserve.speculation import SpecPlan, SpecPolicy, StepInfo
 
 
 class LengthPlan(SpecPlan):
-    """Draft target[r] tokens for request r (fewer if its drafter runs dry), verify all."""
+    """Draft target[r] tokens for request r (fewer if its drafter runs dry), verify all of
+    them: no more than target[r] where a drafter handed over more (prompt lookup's whole
+    chain, looked up before the step at no cost)."""
 
     def __init__(self, step: StepInfo, target: np.ndarray) -> None:
         self.step = step
@@ -25,7 +27,7 @@ class LengthPlan(SpecPlan):
         return drafting & (self.target > confidences.shape[1])
 
     def verify_lengths(self, confidences: np.ndarray, drafted: np.ndarray) -> np.ndarray:
-        return np.asarray(drafted, dtype=np.int64).copy()
+        return np.minimum(np.asarray(drafted, dtype=np.int64), self.target)
 
 
 class TargetLengthPolicy(SpecPolicy):

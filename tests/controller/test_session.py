@@ -188,6 +188,21 @@ def test_a_looked_up_chain_is_verified_as_the_plan_keeps_it_and_nothing_is_plain
     assert ctl.verify_lengths(step).tolist() == [0] * B
 
 
+@pytest.mark.parametrize("spec, want", [("fixed:2", 2), ("lut:1=0", 0), ("ar", 0)])
+def test_a_looked_up_chain_is_verified_no_longer_than_a_length_policy_says(spec, want):
+    """Prompt lookup hands over its whole chain (K_MAX proposals) before the step: a policy
+    of fixed lengths verifies its own length of it, not the chain (`--drafter ngram
+    --spec-policy fixed:2` verified all 4; `lut:1=0` drafted on every step)."""
+    ctl = StepController(make_policy(spec, COST, k_max=K_MAX), K_MAX, trim=True)
+    rids = [f"r{i}" for i in range(B)]
+    conf = np.full((B, K_MAX), 0.9)
+    conf[1, 1:] = np.nan  # one proposal
+    step = ctl.begin(rids, [300] * B, [None] * B)
+    assert ctl.looked_up(step, conf) == want == step.prepared
+    k = ctl.verify_lengths(step)
+    assert k[1] == min(1, want) and (np.delete(k, 1) == want).all()
+
+
 def test_a_session_finishes_once():
     info = StepInfo(["a"], np.array([10]), np.full(1, np.inf), K_MAX)
     s = SpecSession(make_policy("fixed:2", COST, k_max=K_MAX), info)
