@@ -246,9 +246,23 @@ def _serve_guarded(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def _free_loopback_port() -> int:
+    """A loopback port free now, for SGLang behind the guard (SGLang binds it about a minute
+    later). Drawn at random from 20000-59999, not the kernel's next ephemeral port: two
+    launchers started together were handed the same one, and the second SGLang then failed to
+    bind it and served nothing (seen in CI, 2026-11-27)."""
+    import random
     import socket
 
-    with socket.socket() as sock:
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randint(20000, 59999)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # a crowded range: the kernel's choice
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 

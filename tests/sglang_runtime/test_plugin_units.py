@@ -385,3 +385,17 @@ def test_sglang_profile_measures_the_draft_model_and_keys_prompt_lookup_apart(tm
              "step": 0.052 + 0.001 * k} for i in range(20) for k in range(4)]
     profile = fit_rows(rows, str(tmp_path / "t"), None, "cpu", "float32", [2])
     assert profile.draft.key == "ngram"
+
+
+def test_the_inner_sglang_port_is_free_and_not_the_kernels_next_ephemeral_one():
+    """Launchers started together each pick SGLang's port behind the guard; the kernel's
+    bind(0) handed two of them the same port (CI, 2026-11-27), so it is drawn at random."""
+    import socket
+
+    from sloserve.cli.sglang_launch import _free_loopback_port
+
+    ports = {_free_loopback_port() for _ in range(20)}
+    assert len(ports) >= 18 and all(20000 <= p < 60000 for p in ports)
+    for p in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", p))  # free
