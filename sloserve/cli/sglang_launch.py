@@ -228,7 +228,7 @@ def _serve_guarded(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     from sloserve.sglang_ext.front import serve
 
-    inner = ("127.0.0.1", _free_loopback_port())
+    inner = ("127.0.0.1", free_loopback_port())
     cmd, env = sglang_args(argv, bind=inner)
     limits = GuardLimits(max_n=args.max_n, max_batch_prompts=args.max_batch_prompts,
                          max_top_logprobs_num=args.max_top_logprobs_num,
@@ -245,7 +245,7 @@ def _serve_guarded(args: argparse.Namespace, argv: Sequence[str]) -> int:
             child.wait(30)
 
 
-def _free_loopback_port() -> int:
+def free_loopback_port() -> int:
     """A loopback port free now, for SGLang behind the guard (SGLang binds it about a minute
     later). Drawn at random from 20000-59999, not the kernel's next ephemeral port: two
     launchers started together were handed the same one, and the second SGLang then failed to

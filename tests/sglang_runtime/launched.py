@@ -8,20 +8,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
+# the launcher's own picker: the kernel's bind(0) hands servers started together one port
+from sloserve.cli.sglang_launch import free_loopback_port as free_port
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post(url: str, path: str, body: dict) -> dict:

@@ -392,9 +392,9 @@ def test_the_inner_sglang_port_is_free_and_not_the_kernels_next_ephemeral_one():
     bind(0) handed two of them the same port (CI, 2026-11-27), so it is drawn at random."""
     import socket
 
-    from sloserve.cli.sglang_launch import _free_loopback_port
+    from sloserve.cli.sglang_launch import free_loopback_port
 
-    ports = {_free_loopback_port() for _ in range(20)}
+    ports = {free_loopback_port() for _ in range(20)}
     assert len(ports) >= 18 and all(20000 <= p < 60000 for p in ports)
     for p in ports:
         with socket.socket() as sock:
