@@ -42,7 +42,7 @@ from sloserve.sglang_cpu.cpu_server import (
     server_env,
 )
 from sloserve.sglang_ext import settings
-from sloserve.sglang_ext.request_guard import GuardLimits
+from sloserve.sglang_ext.guard_limits import GuardLimits
 from sloserve.spec_config import DEFAULTS, SpeculationConfig
 from sloserve.units import duration
 
@@ -226,8 +226,6 @@ def _serve_guarded(args: argparse.Namespace, argv: Sequence[str]) -> int:
     import asyncio
     import subprocess
 
-    from sloserve.sglang_ext.front import serve
-
     inner = ("127.0.0.1", free_loopback_port())
     cmd, env = sglang_args(argv, bind=inner)
     limits = GuardLimits(max_n=args.max_n, max_batch_prompts=args.max_batch_prompts,
@@ -237,6 +235,9 @@ def _serve_guarded(args: argparse.Namespace, argv: Sequence[str]) -> int:
           " ".join(cmd[1:]), flush=True)
     child = subprocess.Popen(cmd, env=env)
     try:
+        # imported while SGLang starts (the guard's grammar checks import xgrammar: seconds)
+        from sloserve.sglang_ext.front import serve
+
         return asyncio.run(serve(args.host, args.port, f"http://{inner[0]}:{inner[1]}", limits,
                                  child))
     finally:

@@ -12,11 +12,11 @@ without SGLang; `front.py` applies them in front of SGLang's server.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from sloserve.runtime.constraints.spec import grammar_spec
 from sloserve.runtime.errors import InvalidRequest
+from sloserve.sglang_ext.guard_limits import GuardLimits
 
 # a top_k at or above this is beyond any vocabulary: no top-k (SGLang turns it into an int64
 # tensor element, and 2**63 kills its scheduler)
@@ -30,14 +30,6 @@ class Refused(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(f"{param}: {message}")
         self.param = param
-
-
-@dataclass(frozen=True)
-class GuardLimits:
-    max_n: int = 64
-    max_batch_prompts: int = 256
-    max_top_logprobs_num: int = 100
-    vocab_size: int | None = None  # prompt token ids must lie in [0, vocab_size)
 
 
 def _is_int(x: Any) -> bool:

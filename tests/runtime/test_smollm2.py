@@ -2,9 +2,9 @@
 
 - the converted directory is what it says: the built-in engine's greedy output equals
   transformers' `generate` on it, token for token (8 prompts x 64 tokens, float32);
-- speculation is lossless on it: greedy with the n-gram drafter and with the shipped
-  distilled draft (specserve-slo, fixed:4) equals plain greedy, in float32 and within
-  bfloat16; sampling with the draft keeps the target's distribution (chi-square);
+- speculation is lossless on it: greedy with the n-gram drafter (float32) and with the
+  shipped distilled draft (specserve-slo, fixed:4, fixed:1; float32 and within bfloat16)
+  equals plain greedy; sampling with the draft keeps the target's distribution (chi-square);
 - chat answers are meaningful (the model's own chat template);
 - a broken or partial cache is detected and rebuilt, never loaded.
 
@@ -75,11 +75,12 @@ def test_converted_model_equals_transformers_greedy(smollm2_reference, plain_gre
     assert sum(map(len, ours)) >= 4 * NEW  # most answers are long: the comparison has teeth
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_ngram_speculation_is_lossless(prompts, plain_greedy, dtype):
-    plain = plain_greedy(dtype)
+def test_ngram_speculation_is_lossless(prompts, plain_greedy):
+    """float32 only: bfloat16's verify numerics are the draft model's test below (the same
+    verify forward; a minute of CI on a CPU without AVX512-BF16)."""
+    plain = plain_greedy("float32")
     for policy in ("specserve-slo", "fixed:4"):
-        eng = _engine(policy, "ngram", dtype)
+        eng = _engine(policy, "ngram", "float32")
         assert _greedy(eng, prompts) == plain, policy
 
 

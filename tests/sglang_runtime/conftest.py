@@ -20,7 +20,7 @@ from sloserve.sglang_cpu.cpu_server import (
     wait_ready,
 )
 from sloserve.sglang_cpu.tiny_pair import ensure_tiny_pair
-from tests.sglang_runtime.launched import LaunchedServer, free_port, reap_stopped
+from tests.sglang_runtime.launched import LaunchedServer, forced_args, free_port, reap_stopped
 
 REPO = Path(__file__).resolve().parents[2]
 # float32: the backends and the transformers reference then differ only by summation order.
@@ -141,3 +141,23 @@ def tiny_plain(sglang_python, tiny_sglang_pair, tmp_path_factory):
         yield server
     finally:
         server.stop(wait=False)
+
+
+
+@pytest.fixture(scope="session")
+def tiny_forced(sglang_python, tiny_sglang_pair, tmp_path_factory):
+    """SPECSERVE with the forced lengths on the tiny pair, its per-step decisions in
+    `.step_log` (--spec-step-log, one JSON line a drafting step): shared by the ragged
+    module's greedy test and the sampling module's (a start is about a minute here). Started
+    on first use; the steps of both modules' requests land in the one log."""
+    target, draft = tiny_sglang_pair
+    logs = tmp_path_factory.mktemp("tiny_forced")
+    step_log = logs / "steps.jsonl"
+    server = LaunchedServer(sglang_python, forced_args(target, draft)
+                            + ["--spec-step-log", str(step_log)], logs / "server.log", {})
+    server.step_log = step_log  # type: ignore[attr-defined]
+    try:
+        yield server
+    finally:
+        server.stop(wait=False)
+

@@ -120,3 +120,22 @@ class ServerQueue:
         for server in self.started.values():
             server.stop(wait=False)
         self.started.clear()
+
+
+# the TEST-ONLY forced lengths: every request drafts k_max = 4 and batch row i verifies
+# FORCED[(i + n) % 6] drafts in the n-th step (0 and 4 in one batch, mixed lengths in every
+# batch), so that the verify and acceptance rules run on every step
+FORCED = (0, 4, 1, 3, 2, 4)
+
+
+def specserve_args(target: str, draft: str) -> list[str]:
+    """SPECSERVE (`specserve`, k_max 4) on the tiny pair with its SGLang profile."""
+    profile = REPO / "tests" / "sglang_runtime" / "tiny_pair_sglang_profile.json"
+    return ["--model-path", target, "--draft-model-path", draft, "--k-max", "4",
+            "--spec-policy", "specserve", "--spec-profile", str(profile)]
+
+
+def forced_args(target: str, draft: str) -> list[str]:
+    """SPECSERVE with per-request verify lengths forced to FORCED."""
+    return specserve_args(target, draft) + [
+        "--spec-lengths", "per-request", "--spec-test-verify-lens", ",".join(map(str, FORCED))]

@@ -6,10 +6,12 @@ calibration map.
 Servers (one set per module, started as a user does, `python -m sloserve.launch --engine
 sglang`): SGLang without speculation (the reference), SPECSERVE with the TEST-ONLY setting
 --spec-test-verify-lens (every request drafts k_max = 4 and batch row i verifies
-FORCED[(i + n) % 6] drafts in the n-th step: 0 and 4 in one batch), and SPECSERVE with one
-draft length per batch and each request's verify trimmed by its own plan (--spec-lengths
-trim), started while the first is tested. Both SPECSERVE servers write their per-step decisions to a step log
-(--spec-step-log) that the tests read."""
+FORCED[(i + n) % 6] drafts in the n-th step: 0 and 4 in one batch; the session's server,
+which the sampling module samples from too), and SPECSERVE with one draft length per batch
+and each request's verify trimmed by its own plan (--spec-lengths trim). Both SPECSERVE
+servers write their per-step decisions to a step log (--spec-step-log) that the tests read:
+every step's decisions obey the invariants checked below, whichever module's requests they
+were."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import json
 
 import pytest
 
-from tests.sglang_runtime.launched import ServerQueue
+from tests.sglang_runtime.launched import FORCED, ServerQueue
 from tests.sglang_runtime.test_specserve_server import (
     TINY_PROFILE,
     _all_at_once,
@@ -27,19 +29,13 @@ from tests.sglang_runtime.test_specserve_server import (
 
 pytestmark = pytest.mark.timeout(2400)
 
-FORCED = (0, 4, 1, 3, 2, 4)
-
 
 @pytest.fixture(scope="module")
-def ragged(sglang_python, tiny_sglang_pair, tiny_plain, tmp_path_factory):
+def ragged(sglang_python, tiny_sglang_pair, tiny_plain, tiny_forced, tmp_path_factory):
     target, draft = tiny_sglang_pair
     logs = tmp_path_factory.mktemp("ragged_logs")
     pair = ["--model-path", target, "--draft-model-path", draft]
-    spec = pair + ["--k-max", "4", "--spec-policy", "specserve", "--spec-profile",
-                   str(TINY_PROFILE), "--spec-lengths", "per-request"]
     specs = {
-        "forced": (spec + ["--spec-test-verify-lens", ",".join(map(str, FORCED)),
-                           "--spec-step-log", str(logs / "forced.jsonl")], {}),
         # one draft length per batch, each request's verify trimmed from the chain's
         # confidences (without the uniform-first margin, so the plan may trim)
         "trimmed": (pair + ["--k-max", "4", "--spec-policy", "specserve", "--spec-profile",
@@ -50,10 +46,13 @@ def ragged(sglang_python, tiny_sglang_pair, tiny_plain, tmp_path_factory):
                             "--spec-options", "uniform_margin=0,correct_cost=false",
                             "--spec-step-log", str(logs / "trimmed.jsonl")], {}),
     }
-    get = ServerQueue(sglang_python, logs, specs, shared={"plain": tiny_plain})
-    get.start("forced")  # beside the session's plain server ("plain" below)
+    # the session's plain and forced servers (the sampling module's too), and this one
+    get = ServerQueue(sglang_python, logs, specs,
+                      shared={"plain": tiny_plain, "forced": tiny_forced})
+    get.start("trimmed")  # beside the session's (three starts at once: same total work)
+    step_logs = {"forced": tiny_forced.step_log, "trimmed": logs / "trimmed.jsonl"}
     get.step_log = lambda name: [json.loads(x) for x in  # type: ignore[attr-defined]
-                                 (logs / f"{name}.jsonl").read_text().splitlines()]
+                                 step_logs[name].read_text().splitlines()]
     yield get
     get.close()
 

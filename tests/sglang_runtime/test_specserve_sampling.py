@@ -4,7 +4,8 @@ tokens of SGLang without speculation and of SPECSERVE (per-request verify length
 drafts, chain_sampling.py's acceptance rule), on the tiny pair with top-k 6 so every
 position has at most six outcomes. Both SPECSERVE servers run the TEST-ONLY forced lengths
 (every request drafts 4, rows verify 0, 4, 1, 3, 2, 4 drafts in rotation: mixed lengths in
-every batch), so the rule is exercised on every step; the natural plan speculates little on
+every batch; the per-request server is the session's, which test_specserve_ragged checks
+greedy), so the rule is exercised on every step; the natural plan speculates little on
 this pair at temperature 1. The default uniform mode (one k per batch) samples by the same
 rule; its server cycles k through 0..4 (the profiler's sweep). The same test fails for a deliberately wrong rule (every
 draft accepted: --spec-test-accept-all, test only), so it has the power to see a
@@ -18,8 +19,13 @@ import numpy as np
 import pytest
 from scipy.stats import chi2_contingency
 
-from tests.sglang_runtime.launched import ServerQueue, post
-from tests.sglang_runtime.test_specserve_server import TINY_PROFILE
+from tests.sglang_runtime.launched import (
+    FORCED,
+    ServerQueue,
+    forced_args,
+    post,
+    specserve_args,
+)
 
 pytestmark = pytest.mark.timeout(2400)
 
@@ -29,28 +35,30 @@ PROMPT = [101, 202, 303, 404, 505, 606, 707, 808]
 PROMPT_NGRAM = [int(x) for x in np.random.default_rng(0).permutation(np.arange(4, 2048))[:1800]]
 SAMPLING = {"temperature": 1.0, "top_k": 6, "max_new_tokens": 4, "ignore_eos": True}
 N = 1200  # samples per server
+# the wrong rule's samples: a third of N, the test rejects it with those already (so it
+# would with N) and a minute of CI is saved
+N_WRONG = 400
 BATCH = 6  # requests per /generate call (SGLang batches them; larger batches speculate less)
 ALPHA = 1e-3
 
 
 @pytest.fixture(scope="module")
-def sampling_servers(sglang_python, tiny_sglang_pair, tiny_plain, tmp_path_factory):
+def sampling_servers(sglang_python, tiny_sglang_pair, tiny_plain, tiny_forced,
+                     tmp_path_factory):
     target, draft = tiny_sglang_pair
     logs = tmp_path_factory.mktemp("sampling_logs")
-    pair = ["--model-path", target, "--draft-model-path", draft]
-    base = pair + ["--k-max", "4", "--spec-policy", "specserve", "--spec-profile",
-                   str(TINY_PROFILE)]
-    forced = base + ["--spec-test-verify-lens", "0,4,1,3,2,4", "--spec-lengths", "per-request"]
+    forced = forced_args(target, draft)  # the session's "specserve" server's arguments
     specs = {  # in the order the tests below use them
-        "specserve": (forced, {}),
         # the default mode (one k per batch), its k forced in rotation by the profiler's sweep
-        "uniform": (base + ["--spec-lengths", "uniform", "--spec-sweep", "0,4,1,3,2,4"], {}),
+        "uniform": (specserve_args(target, draft) + [
+            "--spec-lengths", "uniform", "--spec-sweep", ",".join(map(str, FORCED))], {}),
         "wrong": (forced + ["--spec-test-accept-all"], {}),
         # prompt lookup's deterministic proposals (q one-hot), mixed lengths likewise
         "ngram": (forced + ["--drafter", "ngram"], {}),
     }
-    queue = ServerQueue(sglang_python, logs, specs, shared={"plain": tiny_plain})
-    queue.start("specserve")
+    queue = ServerQueue(sglang_python, logs, specs,
+                        shared={"plain": tiny_plain, "specserve": tiny_forced})
+    queue.start("uniform")  # while the session's servers are sampled
     samples: dict[str, Counter] = {}
 
     def sample(name: str, prompt: list[int] = PROMPT) -> Counter:
@@ -62,7 +70,7 @@ def sampling_servers(sglang_python, tiny_sglang_pair, tiny_plain, tmp_path_facto
         server = queue(name)  # "plain": the session's, kept for the modules after this
         counts: Counter = Counter()
         steps = []
-        for _ in range(N // BATCH):
+        for _ in range((N_WRONG if name == "wrong" else N) // BATCH):
             out = post(server.url, "/generate", {"input_ids": [prompt] * BATCH,
                                                  "sampling_params": SAMPLING})
             for o in out:
@@ -95,9 +103,10 @@ def test_sampling_keeps_the_target_distribution(sampling_servers, rule, keeps_di
     plain = sampling_servers("plain")
     got = sampling_servers(rule)
     steps = sampling_servers(rule + ":steps")
-    assert sum(k * c for k, c in steps.items()) > N  # drafts verified, in mixed lengths
+    assert sum(k * c for k, c in steps.items()) > sum(got.values())  # drafts verified, mixed
     assert steps[0] > 0 and steps[4] > 0
     p = _p_value(plain, got)
+    print(f"{rule}: chi-square p = {p:.3g} ({sum(got.values())} samples)")
     assert (p > ALPHA) == keeps_distribution, (rule, p, plain.most_common(5), got.most_common(5))
 
 
