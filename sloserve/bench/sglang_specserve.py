@@ -10,6 +10,10 @@ Systems, each SGLang 0.5.23's own server (`python -m sloserve.launch --engine sg
 CPU engine's flags added on machines without CUDA), float32, the same model pair:
 
     plain         SGLang without speculation (--spec-policy ar)
+    plain:sync    the same without SGLang's overlap schedule (--disable-overlap-schedule),
+                  as SGLang runs every speculative server on a CPU (STANDALONE and NGRAM
+                  included: "Overlap schedule is not implemented for speculative decoding on
+                  CPU"), and SPECSERVE everywhere
     standalone:1  SGLang's STANDALONE speculation (the draft model, topk 1), 1 draft step
     standalone:3  the same, 3 draft steps
     specserve     SPECSERVE in its default mode (sloserve's controller: one draft length
@@ -102,6 +106,8 @@ def system_args(system: str, target: str, draft: str, k_max: int | None = None) 
     pair = ["--model-path", target, "--draft-model-path", draft]
     if system == "plain":
         return pair + ["--spec-policy", "ar"]
+    if system == "plain:sync":  # SGLang's scheduler as every speculative server has it here
+        return pair + ["--spec-policy", "ar", "--disable-overlap-schedule"]
     if system.startswith("specserve"):
         _, mode, options = (system.split(":", 2) + ["", ""])[:3]
         return pair + ["--k-max", "4", "--spec-policy", "specserve",

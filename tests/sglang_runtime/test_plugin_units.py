@@ -209,6 +209,7 @@ def test_closed_loop_benchmark_runs_each_system_as_named():
 
     assert system_args("plain", "T", "D") == ["--model-path", "T", "--draft-model-path", "D",
                                              "--spec-policy", "ar"]
+    assert system_args("plain:sync", "T", "D")[-1] == "--disable-overlap-schedule"
     own = system_args("standalone:3", "T", "D")
     assert own[own.index("--speculative-algorithm") + 1] == "STANDALONE"
     assert own[own.index("--speculative-num-steps") + 1] == "3"
