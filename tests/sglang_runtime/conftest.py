@@ -143,7 +143,6 @@ def tiny_plain(sglang_python, tiny_sglang_pair, tmp_path_factory):
         server.stop(wait=False)
 
 
-
 @pytest.fixture(scope="session")
 def tiny_forced(sglang_python, tiny_sglang_pair, tmp_path_factory):
     """SPECSERVE with the forced lengths on the tiny pair, its per-step decisions in
@@ -160,4 +159,3 @@ def tiny_forced(sglang_python, tiny_sglang_pair, tmp_path_factory):
         yield server
     finally:
         server.stop(wait=False)
-

@@ -18,6 +18,8 @@ from pathlib import Path
 from sloserve.cli.sglang_launch import free_loopback_port as free_port
 
 REPO = Path(__file__).resolve().parents[2]
+# the controller's cost profile of SGLang's forwards of the tiny pair on this CPU type
+TINY_PROFILE = REPO / "tests" / "sglang_runtime" / "tiny_pair_sglang_profile.json"
 
 
 def post(url: str, path: str, body: dict) -> dict:
@@ -130,9 +132,8 @@ FORCED = (0, 4, 1, 3, 2, 4)
 
 def specserve_args(target: str, draft: str) -> list[str]:
     """SPECSERVE (`specserve`, k_max 4) on the tiny pair with its SGLang profile."""
-    profile = REPO / "tests" / "sglang_runtime" / "tiny_pair_sglang_profile.json"
     return ["--model-path", target, "--draft-model-path", draft, "--k-max", "4",
-            "--spec-policy", "specserve", "--spec-profile", str(profile)]
+            "--spec-policy", "specserve", "--spec-profile", str(TINY_PROFILE)]
 
 
 def forced_args(target: str, draft: str) -> list[str]:

@@ -92,7 +92,7 @@ def test_the_ngram_drafter_prices_drafting_free_from_a_model_profile(tmp_path):
     draft free and without the draft's calibration (its confidences mean something else)."""
     from sloserve.estimator.profile_file import read_profile
     from sloserve.sglang_ext.settings import load_cost
-    from tests.sglang_runtime.test_specserve_server import TINY_PROFILE
+    from tests.sglang_runtime.launched import TINY_PROFILE
 
     model = read_profile(TINY_PROFILE)
     assert model.draft.key != "ngram" and model.cost_model().draft.c > 0

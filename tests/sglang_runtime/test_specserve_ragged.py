@@ -19,9 +19,8 @@ import json
 
 import pytest
 
-from tests.sglang_runtime.launched import FORCED, ServerQueue
+from tests.sglang_runtime.launched import FORCED, ServerQueue, specserve_args
 from tests.sglang_runtime.test_specserve_server import (
-    TINY_PROFILE,
     _all_at_once,
     _gen,
     _prompts,
@@ -34,17 +33,15 @@ pytestmark = pytest.mark.timeout(2400)
 def ragged(sglang_python, tiny_sglang_pair, tiny_plain, tiny_forced, tmp_path_factory):
     target, draft = tiny_sglang_pair
     logs = tmp_path_factory.mktemp("ragged_logs")
-    pair = ["--model-path", target, "--draft-model-path", draft]
     specs = {
         # one draft length per batch, each request's verify trimmed from the chain's
         # confidences (without the uniform-first margin, so the plan may trim)
-        "trimmed": (pair + ["--k-max", "4", "--spec-policy", "specserve", "--spec-profile",
-                            str(TINY_PROFILE), "--spec-lengths", "trim",
-                            # the profile's prices as they are: corrected online by this
-                            # machine's timings (2026-11-27) the tiny pair drafted in 8-9
-                            # steps, too few for the checks below
-                            "--spec-options", "uniform_margin=0,correct_cost=false",
-                            "--spec-step-log", str(logs / "trimmed.jsonl")], {}),
+        "trimmed": (specserve_args(target, draft) + [
+            "--spec-lengths", "trim",
+            # the profile's prices as they are: corrected online by this machine's timings
+            # (2026-11-27) the tiny pair drafted in 8-9 steps, too few for the checks below
+            "--spec-options", "uniform_margin=0,correct_cost=false",
+            "--spec-step-log", str(logs / "trimmed.jsonl")], {}),
     }
     # the session's plain and forced servers (the sampling module's too), and this one
     get = ServerQueue(sglang_python, logs, specs,

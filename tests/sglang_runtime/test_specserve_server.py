@@ -17,14 +17,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from tests.sglang_runtime.launched import REPO, ServerQueue, post
+from tests.sglang_runtime.launched import TINY_PROFILE, ServerQueue, post
 
 pytestmark = pytest.mark.timeout(2400)
 
 MAX_NEW = 32
-# the controller's cost profile of SGLang's forwards of the tiny pair on this CPU type
-TINY_PROFILE = REPO / "tests" / "sglang_runtime" / "tiny_pair_sglang_profile.json"
-
 
 @pytest.fixture(scope="module")
 def launched(sglang_python, tiny_sglang_pair, tiny_plain, tmp_path_factory):

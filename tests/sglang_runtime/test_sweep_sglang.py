@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.sglang_runtime.test_specserve_server import REPO
+from tests.sglang_runtime.launched import REPO
 
 pytestmark = pytest.mark.timeout(1800)
 
