@@ -113,7 +113,7 @@ def _extend_case(prefix_lens, ext_lens, seed=3, dtype=torch.float32):
     q = torch.randn(n, H, D, generator=g).to(dtype)
     k_ext = torch.randn(n, HKV, D, generator=g).to(dtype)
     v_ext = torch.randn(n, HKV, DV, generator=g).to(dtype)
-    rpi = torch.tensor([4, 1, 2][: len(ext_lens)])
+    rpi = torch.tensor([4, 1, 2, 0, 3][: len(ext_lens)])
     starts = torch.tensor([0] + list(torch.tensor(ext_lens).cumsum(0)[:-1]), dtype=torch.int32)
     seq_lens = torch.tensor(prefix_lens) + torch.tensor(ext_lens)
     return k_buf, v_buf, r2t, q, k_ext, v_ext, rpi, starts, seq_lens
@@ -174,6 +174,30 @@ def test_extend_attention_non_causal_and_kv_read_from_cache():
     ref = _ref_extend(k_buf, v_buf, r2t, q, k_ext, v_ext, rpi, starts, prefix_lens, ext_lens,
                       lambda b, i, j: j <= i, 0.2)
     torch.testing.assert_close(out_cache.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("kv_passed", [True, False])
+def test_extend_attention_one_row_requests_beside_longer_ones(causal, kv_passed):
+    """A verify with per-request lengths: requests of one row (verifying nothing drafted) run
+    apart from the longer ones; each row must still see exactly its own request's keys."""
+    prefix_lens, ext_lens = [6, 0, 11, 3, 8], [1, 4, 1, 3, 1]
+    k_buf, v_buf, r2t, q, k_ext, v_ext, rpi, starts, seq_lens = _extend_case(prefix_lens,
+                                                                              ext_lens, seed=7)
+    if not kv_passed:  # the layer stored the extend keys at their slots already
+        for b, (p, e) in enumerate(zip(prefix_lens, ext_lens)):
+            slots = r2t[rpi[b], p : p + e].long()
+            k_buf[slots] = k_ext[starts[b] : starts[b] + e]
+            v_buf[slots] = v_ext[starts[b] : starts[b] + e]
+    out = torch.full((q.shape[0], H, DV), float("nan"))
+    cpu_ops.extend_attention(
+        q, k_ext if kv_passed else None, v_ext if kv_passed else None, out, k_buf, v_buf,
+        1.0, 1.0, r2t, rpi, seq_lens, torch.tensor(ext_lens), starts, max(ext_lens), 0.3, 0.0,
+        is_causal=causal,
+    )
+    ref = _ref_extend(k_buf, v_buf, r2t, q, k_ext, v_ext, rpi, starts, prefix_lens, ext_lens,
+                      (lambda b, i, j: j <= i) if causal else (lambda b, i, j: True), 0.3)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
 def test_extend_attention_tree_mask_qlen_only():

@@ -19,6 +19,10 @@ over the batch (GQA without copying KV heads), long extends (prefill) one per re
 cap, one request at a time by explicit scores. A verify of k + 1 tokens then reads each
 request's context once, as a decode step does (a request-by-request loop cost twice a
 decode's time per context token, which made every verified token look dear on this CPU).
+Requests of a short extend that have one row run apart from the longer ones, as decode
+rows: padded to the batch's longest (k_max + 1 where one request verifies a full chain),
+they made a ragged verify's attention up to ~1.8x a decode's at batch 15 (the real kernel
+loops over requests and pads nothing).
 
 Not implemented (SGLang passes them only for models this project does not serve; each raises
 NotImplementedError naming the op): cross attention, sliding windows, attention sinks, encoder
@@ -222,10 +226,58 @@ def _short_extend(q_extend: torch.Tensor, k_extend: torch.Tensor | None,
                   k_buffer: torch.Tensor, v_buffer: torch.Tensor, rows: torch.Tensor,
                   lens: torch.Tensor, ext_lens: torch.Tensor, starts: torch.Tensor,
                   sm_scale: float, is_causal: bool) -> None:
-    """extend_attention for short extends, the batch at once: request b's queries padded to
-    E = max ext_lens, its keys the first lens[b] slots of its req_to_token row (the extend
-    keys from k_extend where given), masked per request (prefix visible, the extend causal or
-    not, padding hidden). rows [bs, max_context_len]; lens, ext_lens, starts [bs] int64."""
+    """extend_attention for short extends. A speculative verify with per-request lengths
+    mixes requests that verify nothing (one row: the decode step's work) with a few that
+    verify up to k_max + 1 rows; padded to one E they would make every request's attention
+    E times a decode's. So requests of one row run decode-like (`_one_row`), the others
+    padded to their own longest (`_padded`); each group reads its requests' KV once.
+    rows [bs, max_context_len]; lens, ext_lens, starts [bs] int64."""
+    one = ext_lens == 1  # [bs]
+    n_one = int(one.sum())
+    if n_one == len(lens):
+        _one_row(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, rows, lens,
+                 starts, sm_scale)
+        return
+    if n_one == 0:
+        _padded(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, rows, lens,
+                ext_lens, starts, sm_scale, is_causal)
+        return
+    a, b = one.nonzero().view(-1), (~one).nonzero().view(-1)
+    _one_row(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, rows.index_select(0, a),
+             lens[a], starts[a], sm_scale)
+    _padded(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, rows.index_select(0, b),
+            lens[b], ext_lens[b], starts[b], sm_scale, is_causal)
+
+
+def _one_row(q_extend: torch.Tensor, k_extend: torch.Tensor | None,
+             v_extend: torch.Tensor | None, o_extend: torch.Tensor, k_buffer: torch.Tensor,
+             v_buffer: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor,
+             starts: torch.Tensor, sm_scale: float) -> None:
+    """Requests that extend by one token (row starts[b] of q/k/v/o_extend), decode_attention's
+    work: the token sees its request's first lens[b] slots, itself last (causal or not is
+    the same for one row). rows [n, max_context_len]; lens, starts [n] int64."""
+    n, L = len(lens), int(lens.max())
+    slots = rows[:, :L].long()  # [n, L]
+    k, v = _gather(k_buffer, slots), _gather(v_buffer, slots)  # [n, L, Hkv, D] copies
+    if k_extend is not None and v_extend is not None:  # the new key as passed, at lens - 1
+        at = torch.arange(n) * L + lens - 1  # [n] rows of k.view(n * L, ...)
+        k.view(-1, *k.shape[2:]).index_copy_(0, at, k_extend.index_select(0, starts).to(k.dtype))
+        v.view(-1, *v.shape[2:]).index_copy_(0, at, v_extend.index_select(0, starts).to(v.dtype))
+    visible = (torch.arange(L) < lens[:, None])[:, None, None, :]  # [n, 1, 1, L]
+    out = _sdpa(q_extend.index_select(0, starts).unsqueeze(2), k.transpose(1, 2),
+                v.transpose(1, 2), visible, sm_scale)  # [n, H, 1, Dv]
+    o_extend.index_copy_(0, starts, out[:, :, 0].to(o_extend.dtype))
+
+
+def _padded(q_extend: torch.Tensor, k_extend: torch.Tensor | None,
+            v_extend: torch.Tensor | None, o_extend: torch.Tensor, k_buffer: torch.Tensor,
+            v_buffer: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor,
+            ext_lens: torch.Tensor, starts: torch.Tensor, sm_scale: float,
+            is_causal: bool) -> None:
+    """Short extends, the batch at once: request b's queries padded to E = max ext_lens, its
+    keys the first lens[b] slots of its req_to_token row (the extend keys from k_extend where
+    given), masked per request (prefix visible, the extend causal or not, padding hidden).
+    rows [bs, max_context_len]; lens, ext_lens, starts [bs] int64."""
     E, L = int(ext_lens.max()), int(lens.max())
     pre = lens - ext_lens  # [bs]
     i = torch.arange(E)
