@@ -94,6 +94,16 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tens
     return out.view(B, H, Q, -1)
 
 
+def _one_query(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
+               sm_scale: float) -> torch.Tensor:
+    """One query row per request over its gathered keys (decode steps, one-row extends):
+    query [n, H, D], k [n, L, Hkv, D], v [n, L, Hkv, Dv] (positions >= lens[b] hidden),
+    lens [n] int64 -> [n, H, Dv] float32."""
+    visible = (torch.arange(k.shape[1]) < lens[:, None])[:, None, None, :]  # [n, 1, 1, L]
+    return _sdpa(query.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), visible,
+                 sm_scale)[:, :, 0]
+
+
 def _gather(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """buf [pool, Hkv, D], slots [B, L] -> [B, L, Hkv, D] (a copy; index_select is several
     times faster than advanced indexing here)."""
@@ -134,10 +144,9 @@ def decode_attention(
         lens = seq_lens.long()  # [bs]
         L = int(lens.max())
         slots = rows[:, :L].long()  # [bs, L]; slots past a request's length are masked
-        visible = (torch.arange(L) < lens[:, None])[:, None, None, :]  # [bs, 1, 1, L]
-        out = _sdpa(query.unsqueeze(2), _gather(k_buffer, slots).transpose(1, 2),
-                    _gather(v_buffer, slots).transpose(1, 2), visible, sm_scale)  # [bs, H, 1, Dv]
-        output.copy_(out[:, :, 0].to(output.dtype))
+        out = _one_query(query, _gather(k_buffer, slots), _gather(v_buffer, slots), lens,
+                         sm_scale)
+        output.copy_(out.to(output.dtype))
         return
     for b in range(query.shape[0]):
         slots = rows[b, : int(seq_lens[b])].long()  # [L]
@@ -263,10 +272,8 @@ def _one_row(q_extend: torch.Tensor, k_extend: torch.Tensor | None,
         at = torch.arange(n) * L + lens - 1  # [n] rows of k.view(n * L, ...)
         k.view(-1, *k.shape[2:]).index_copy_(0, at, k_extend.index_select(0, starts).to(k.dtype))
         v.view(-1, *v.shape[2:]).index_copy_(0, at, v_extend.index_select(0, starts).to(v.dtype))
-    visible = (torch.arange(L) < lens[:, None])[:, None, None, :]  # [n, 1, 1, L]
-    out = _sdpa(q_extend.index_select(0, starts).unsqueeze(2), k.transpose(1, 2),
-                v.transpose(1, 2), visible, sm_scale)  # [n, H, 1, Dv]
-    o_extend.index_copy_(0, starts, out[:, :, 0].to(o_extend.dtype))
+    out = _one_query(q_extend.index_select(0, starts), k, v, lens, sm_scale)
+    o_extend.index_copy_(0, starts, out.to(o_extend.dtype))
 
 
 def _padded(q_extend: torch.Tensor, k_extend: torch.Tensor | None,
