@@ -46,9 +46,10 @@ sends the next when its answer arrives, until max(4 C, 8) requests finished. tok
 completion tokens / wall seconds of the loop. Each level is measured --repeats times after a
 warm-up loop (compiles, caches, SPECSERVE's calibration and online correction) and the
 median reported. The servers run one at a time, or with --interleave all at once (each
-sleeps while idle) with every repeat and level measured on each system in turn, the order
-rotating per repeat: a machine whose speed drifts over the run (this CPU's do by 10-20%)
-then moves every system alike. Run it on a quiet machine (CPU contention slows SGLang's
+sleeps while idle) with every repeat and level measured on each system in turn, every second
+repeat in the reverse order of the one before and the order rotating per pair of repeats
+(`cell_order`): a machine whose speed drifts over the run (this CPU's do by 10-30%) then moves
+every system alike. Run it on a quiet machine (CPU contention slows SGLang's
 steps 20x). Prints a table and writes JSON.
 """
 
@@ -218,8 +219,8 @@ def run_systems(systems: list[str], python: str, target: str, draft: str,
                 ) -> dict[str, dict[int, list[dict]]]:
     """{system: {concurrency: [one result per repeat]}}. One server at a time, its repeats
     back to back; or (interleave) every server up at once (each sleeps while idle) and each
-    (repeat, level) measured on every system in turn, the order rotating per repeat, so a
-    machine drifting over the run moves every system alike. `on_repeat(results so far)` runs
+    (repeat, level) measured on every system in turn in `cell_order`, so a machine
+    drifting over the run moves every system alike. `on_repeat(results so far)` runs
     after every repeat (the caller saves them: a run stopped early keeps its repeats)."""
     out: dict[str, dict[int, list[dict]]] = {s: {c: [] for c in levels} for s in systems}
 
@@ -244,8 +245,8 @@ def run_systems(systems: list[str], python: str, target: str, draft: str,
             for rep in range(repeats):
                 t_rep = time.monotonic()
                 for c in levels:
-                    for i in range(len(runs)):
-                        record(runs[(i + rep) % len(runs)], rep, c)
+                    for run in cell_order(runs, rep):
+                        record(run, rep, c)
                 left = (repeats - rep - 1) * (time.monotonic() - t_rep) / 60
                 print(f"repeat {rep + 1}/{repeats} of {group} done; about {left:.0f} minutes "
                       "of its repeats left", flush=True)
@@ -255,6 +256,16 @@ def run_systems(systems: list[str], python: str, target: str, draft: str,
             for run in runs:
                 run.server.stop()
     return out
+
+
+def cell_order(runs: list, rep: int) -> list:
+    """The order in which repeat `rep` measures the systems: pairs of repeats run one rotation
+    forward, then backward (A B C, C B A; then B C A, A C B ...), so a machine whose speed
+    drifts linearly over a pair (this CPU's change by 10-30% within ten minutes) gives every
+    system the same mean position in it."""
+    shift = (rep // 2) % len(runs)
+    order = runs[shift:] + runs[:shift]
+    return order[::-1] if rep % 2 else order
 
 
 def _lines(path: Path) -> int:
@@ -397,6 +408,11 @@ def main(argv: list[str] | None = None) -> int:
                 line += f" {m[s] / max(others) - 1:+.1%} vs the best of SGLang's"
             if "plain" in m:
                 line += f", {m[s] / m['plain'] - 1:+.1%} vs plain"
+                # the same repeat's cells lie minutes apart: a drift between repeats cancels
+                paired = [a["tok_s"] / b["tok_s"] for a, b in zip(results[s][c],
+                                                                   results["plain"][c])]
+                line += (f" (per repeat {' '.join(f'{x - 1:+.1%}' for x in paired)}, "
+                         f"median {statistics.median(paired) - 1:+.1%})")
             print(line)
     save(results, complete=True)
     return 0

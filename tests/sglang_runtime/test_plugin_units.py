@@ -238,6 +238,21 @@ def test_closed_loop_benchmark_runs_each_system_as_named():
         "sloserve-ngram--per-request-no-profile"
 
 
+def test_interleaved_repeats_give_every_system_the_same_mean_position():
+    """--interleave's order (cell_order): each pair of repeats runs one order and its reverse,
+    so under a linear drift every system's mean slot is the same; pairs rotate."""
+    from sloserve.bench.sglang_specserve import cell_order
+
+    runs = ["a", "b", "c", "d", "e"]
+    orders = [cell_order(runs, rep) for rep in range(4)]
+    assert orders[0] == runs and orders[1] == runs[::-1]
+    assert orders[2] == ["b", "c", "d", "e", "a"] and orders[3] == orders[2][::-1]
+    for pair in (orders[:2], orders[2:]):
+        slots = {r: sum(o.index(r) for o in pair) for r in runs}
+        assert set(slots.values()) == {len(runs) - 1}
+    assert all(sorted(o) == runs for o in orders)
+
+
 def test_prompt_lookup_verifies_per_request_lengths_by_default(monkeypatch):
     """--spec-lengths defaults by drafter: per-request with prompt lookup (its chain is
     looked up whole, each request verifies its own length), uniform with a draft model; an
