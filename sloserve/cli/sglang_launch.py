@@ -236,10 +236,10 @@ def _serve_guarded(args: argparse.Namespace, argv: Sequence[str]) -> int:
     child = subprocess.Popen(cmd, env=env)
     try:
         # imported while SGLang starts (the guard's grammar checks import xgrammar: seconds)
-        from sloserve.sglang_ext.front import serve
+        from sloserve.sglang_ext.front import serve, upstream_keep_alive
 
         return asyncio.run(serve(args.host, args.port, f"http://{inner[0]}:{inner[1]}", limits,
-                                 child))
+                                 child, upstream_keep_alive(env)))
     finally:
         if child.poll() is None:
             child.terminate()

@@ -13,7 +13,7 @@ import asyncio
 import json
 import logging
 import subprocess
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
 import httpx
@@ -27,6 +27,8 @@ from sloserve.sglang_ext.request_guard import GUARDED, GuardLimits, Refused, che
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 32 << 20  # as the built-in server's default --max-request-body-bytes
+# SGLang's uvicorn closes idle connections after SGLANG_TIMEOUT_KEEP_ALIVE seconds (0.5.23)
+KEEP_ALIVE_ENV, DEFAULT_KEEP_ALIVE = "SGLANG_TIMEOUT_KEEP_ALIVE", 5.0
 # hop-by-hop headers, and those httpx sets itself
 _DROP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te",
          "upgrade", "proxy-connection", "accept-encoding"}
@@ -44,9 +46,15 @@ def _error(path: str, status: int, message: str, param: str | None) -> JSONRespo
     return JSONResponse(body, status_code=status)
 
 
-def create_front(upstream: str, limits: GuardLimits) -> Starlette:
-    """The front's app, forwarding to `upstream` (SGLang's server, http://host:port)."""
-    client = httpx.AsyncClient(base_url=upstream, timeout=httpx.Timeout(None, connect=5.0))
+def create_front(upstream: str, limits: GuardLimits,
+                 upstream_keep_alive: float = DEFAULT_KEEP_ALIVE) -> Starlette:
+    """The front's app, forwarding to `upstream` (SGLang's server, http://host:port), whose
+    HTTP server closes a connection idle for `upstream_keep_alive` seconds."""
+    # an idle pooled connection is dropped at half SGLang's keep-alive: at httpx's default
+    # (5 s, equal to SGLang's) a request written just as SGLang closes the connection fails
+    # with a ReadError, which the client would see as a 503
+    client = httpx.AsyncClient(base_url=upstream, timeout=httpx.Timeout(None, connect=5.0),
+                               limits=httpx.Limits(keepalive_expiry=upstream_keep_alive / 2))
 
     async def forward(request: Request) -> Response:
         path = request.url.path
@@ -106,14 +114,22 @@ def _guarded(path: str, raw: bytes, limits: GuardLimits) -> bytes:
     return raw
 
 
+def upstream_keep_alive(env: Mapping[str, str]) -> float:
+    """SGLang's keep-alive in seconds, from the environment its server starts with."""
+    try:
+        return max(float(env.get(KEEP_ALIVE_ENV, DEFAULT_KEEP_ALIVE)), 0.0)
+    except ValueError:  # SGLang itself fails on it at start, and the front stops with it
+        return DEFAULT_KEEP_ALIVE
+
+
 async def serve(host: str, port: int, upstream: str, limits: GuardLimits,
-                child: subprocess.Popen) -> int:
+                child: subprocess.Popen, keep_alive: float = DEFAULT_KEEP_ALIVE) -> int:
     """Serve the front until SGLang's child exits (its status is returned) or the front is
-    stopped (the child is then terminated)."""
+    stopped (the child is then terminated). `keep_alive`: SGLang's (upstream_keep_alive)."""
     import uvicorn
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per forwarded request
-    server = uvicorn.Server(uvicorn.Config(create_front(upstream, limits), host=host,
+    server = uvicorn.Server(uvicorn.Config(create_front(upstream, limits, keep_alive), host=host,
                                            port=port, log_level="warning", lifespan="on"))
     task = asyncio.create_task(server.serve())
     status = 0

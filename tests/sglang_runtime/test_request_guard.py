@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from sloserve.sglang_ext.front import create_front
+from sloserve.sglang_ext.front import create_front, upstream_keep_alive
 from sloserve.sglang_ext.request_guard import GuardLimits, Refused, check_body
 
 LIMITS = GuardLimits(max_n=4, max_batch_prompts=8, max_top_logprobs_num=5, vocab_size=100)
@@ -146,6 +146,39 @@ def test_front_forwards_the_rest_unchanged(front):
     r = httpx.post(url + "/stream", content=b"not json")
     assert r.text == "data: 0\n\ndata: 1\n\ndata: 2\n\n" and SEEN[-1] == ("/stream", b"not json")
     assert httpx.get(url + "/health").status_code == 201
+
+
+async def _peer(request: Request):
+    client = request.client
+    return JSONResponse({"peer": client.port if client else None})
+
+
+def test_front_drops_idle_connections_before_sglang_does():
+    """SGLang's server closes a connection idle for its keep-alive (uvicorn's
+    timeout_keep_alive); a request the front writes on it just then fails (a ReadError, a 503
+    to the client). The front must open a new connection after half that idle time, and reuse
+    one within it."""
+    up = uvicorn.Server(uvicorn.Config(Starlette(routes=[Route("/peer", _peer)]),
+                                       host="127.0.0.1", port=0, log_level="warning",
+                                       timeout_keep_alive=2))
+    threading.Thread(target=up.run, daemon=True).start()
+    deadline = time.monotonic() + 30
+    while not up.started:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    up_url = f"http://127.0.0.1:{up.servers[0].sockets[0].getsockname()[1]}"
+    fr, url = _serve(create_front(up_url, LIMITS, upstream_keep_alive=2.0))
+    try:
+        with httpx.Client() as c:
+            first = c.get(url + "/peer").json()["peer"]
+            assert c.get(url + "/peer").json()["peer"] == first  # kept alive
+            time.sleep(1.5)  # past half SGLang's keep-alive, before SGLang closes it
+            assert c.get(url + "/peer").json()["peer"] != first
+    finally:
+        fr.should_exit = up.should_exit = True
+    assert upstream_keep_alive({}) == 5.0
+    assert upstream_keep_alive({"SGLANG_TIMEOUT_KEEP_ALIVE": "30"}) == 30.0
+    assert upstream_keep_alive({"SGLANG_TIMEOUT_KEEP_ALIVE": "x"}) == 5.0
 
 
 def test_front_answers_503_while_sglang_is_not_up():
