@@ -98,8 +98,9 @@ async def _upstream(request: Request):
                          "query": str(request.query_params)}, status_code=201)
 
 
-def _serve(app) -> tuple[uvicorn.Server, str]:
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+def _serve(app, **config) -> tuple[uvicorn.Server, str]:
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                           **config))
     threading.Thread(target=server.run, daemon=True).start()
     deadline = time.monotonic() + 30
     while not server.started:
@@ -158,15 +159,7 @@ def test_front_drops_idle_connections_before_sglang_does():
     timeout_keep_alive); a request the front writes on it just then fails (a ReadError, a 503
     to the client). The front must open a new connection after half that idle time, and reuse
     one within it."""
-    up = uvicorn.Server(uvicorn.Config(Starlette(routes=[Route("/peer", _peer)]),
-                                       host="127.0.0.1", port=0, log_level="warning",
-                                       timeout_keep_alive=2))
-    threading.Thread(target=up.run, daemon=True).start()
-    deadline = time.monotonic() + 30
-    while not up.started:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    up_url = f"http://127.0.0.1:{up.servers[0].sockets[0].getsockname()[1]}"
+    up, up_url = _serve(Starlette(routes=[Route("/peer", _peer)]), timeout_keep_alive=2)
     fr, url = _serve(create_front(up_url, LIMITS, upstream_keep_alive=2.0))
     try:
         with httpx.Client() as c:
