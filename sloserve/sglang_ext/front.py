@@ -62,8 +62,9 @@ def create_front(upstream: str, limits: GuardLimits,
         if request.method == "POST" and path in GUARDED:
             if len(raw) > MAX_BODY_BYTES:
                 return _error(path, 413, f"request body over {MAX_BODY_BYTES} bytes", "body")
-            try:
-                raw = _guarded(path, raw, limits)
+            try:  # off the event loop: a 32 MB body or a deep schema takes a while to check,
+                # and every other stream waits on the loop meanwhile
+                raw = await asyncio.to_thread(_guarded, path, raw, limits)
             except Refused as e:
                 return _error(path, 400, str(e), e.param)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP}

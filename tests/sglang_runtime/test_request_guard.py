@@ -174,6 +174,32 @@ def test_front_drops_idle_connections_before_sglang_does():
     assert upstream_keep_alive({"SGLANG_TIMEOUT_KEEP_ALIVE": "x"}) == 5.0
 
 
+def test_front_answers_others_while_it_checks_a_body(front, monkeypatch):
+    """The guard's check of one body (a 32 MB one, a deep schema: seconds) runs off the
+    front's event loop: other requests are answered meanwhile. The check here waits until
+    /health has been answered through the front, so on the loop it would wait in vain."""
+    import sloserve.sglang_ext.front as front_module
+
+    url, _ = front
+    answered, checking = threading.Event(), threading.Event()
+
+    def slow_check(path, body, limits):
+        checking.set()
+        answered.wait(10)
+        return check_body(path, body, limits)
+
+    monkeypatch.setattr(front_module, "check_body", slow_check)
+    result: dict[str, httpx.Response] = {}
+    t = threading.Thread(target=lambda: result.update(
+        r=httpx.post(url + "/generate", json={"text": "a"}, timeout=30)))
+    t.start()
+    assert checking.wait(10)
+    assert httpx.get(url + "/health", timeout=5).status_code == 201
+    answered.set()
+    t.join(30)
+    assert result["r"].status_code == 201
+
+
 def test_front_answers_503_while_sglang_is_not_up():
     fr, url = _serve(create_front("http://127.0.0.1:9", LIMITS))  # nothing listens there
     try:
