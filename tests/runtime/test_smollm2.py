@@ -84,9 +84,31 @@ def test_ngram_speculation_is_lossless(prompts, plain_greedy):
         assert _greedy(eng, prompts) == plain, policy
 
 
+def _bf16_rows_independent_of_batch() -> bool:
+    """Whether this CPU's bfloat16 linear layers give a row the same bits however many rows
+    share its matmul, for SmolLM2's shapes: the precondition of bfloat16 speculation equal
+    to plain greedy token for token (a verify multiplies k + 1 rows a request, a decode one).
+    Not everywhere: torch picks bf16 kernels by shape, and on an AVX-512 Xeon without
+    AVX512-BF16 / AMX (2026-11-28) the output head's row (49,152 logits) from a 1-row
+    product differs from the same row in a 2-9-row one by a bf16 ulp, enough to flip a
+    near-tie of the greedy argmax (the layers' own shapes agreed there)."""
+    g = torch.Generator().manual_seed(0)
+    for n_in, n_out in ((576, 1536), (1536, 576), (576, 576), (576, 192), (576, 49152)):
+        w = torch.randn(n_out, n_in, generator=g).bfloat16()
+        x = torch.randn(9, n_in, generator=g).bfloat16()
+        one = torch.nn.functional.linear(x[:1], w)[0]
+        if any(not torch.equal(torch.nn.functional.linear(x[:m], w)[0], one)
+               for m in range(2, 10)):
+            return False
+    return True
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_draft_model_speculation_is_lossless(prompts, plain_greedy, dtype):
     """The shipped distilled draft (issue #31): spec == plain greedy, token for token."""
+    if dtype == "bfloat16" and not _bf16_rows_independent_of_batch():
+        pytest.skip("this CPU's bfloat16 matmul gives a row other bits when more rows share "
+                    "it (measured): greedy equality is defined in float32 here")
     plain = plain_greedy(dtype)
     for policy in ("fixed:4", "fixed:1", "specserve-slo"):
         eng = _engine(policy, "model", dtype)
