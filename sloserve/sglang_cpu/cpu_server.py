@@ -69,9 +69,9 @@ class CPUServerConfig:
     # SGLang sizes the KV pool as (memory free after loading) - (memory free before it) x
     # (1 - this), capped by max_total_tokens, and refuses to start (exit 247) when that is
     # <= 0. On a CPU "free" is the machine's: servers loading beside each other take it
-    # too, so 0.3 (a load may use 30% of what was free) failed the third of three starts
-    # at once on 24 GB; at 0.9 only running out of memory fails, and the cap still sizes
-    # the pool.
+    # too, so with 0.3 (a load may use 30% of what was free) the fourth of four starts at
+    # once failed on a 24 GB machine, and a CI test server beside others; at 0.9 only
+    # running out of memory fails, and the cap still sizes the pool.
     mem_fraction_static: float = 0.9
     spec: SpecConfig | None = None
     extra_args: tuple[str, ...] = field(default_factory=tuple)
