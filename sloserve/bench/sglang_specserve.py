@@ -50,7 +50,9 @@ sleeps while idle) with every repeat and level measured on each system in turn, 
 repeat in the reverse order of the one before and the order rotating per pair of repeats
 (`cell_order`): a machine whose speed drifts over the run (this CPU's do by 10-30%) then moves
 every system alike. Run it on a quiet machine (CPU contention slows SGLang's
-steps 20x). Prints a table and writes JSON.
+steps 20x). With --restart every repeat starts (and warms) its servers afresh: a
+server's speed can differ from one start to the next by more than the effects measured here,
+and then only repeats over starts show it. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -184,15 +186,19 @@ class Running:
     """One system's server, warmed up, and where its worker writes its timings lines."""
 
     def __init__(self, system: str, python: str, target: str, draft: str, logs: Path,
-                 port: int, k_max: int | None, timings: bool) -> None:
+                 port: int, k_max: int | None, timings: bool, start: int = 0) -> None:
+        """start: which start of this system in the run (0: the first; a restart appends to
+        the timings file and writes its own server log)."""
         self.system = system
         args = system_args(system, target, draft, k_max)
         self.timings_file = logs / f"{file_stem(system)}.timings.jsonl"
         self.timed = timings and ours(system)
         if self.timed:  # one JSON line per decode step (worker's controller)
-            self.timings_file.unlink(missing_ok=True)
+            if start == 0:
+                self.timings_file.unlink(missing_ok=True)
             args += ["--spec-timings", str(self.timings_file.resolve())]
-        self.server = Server(python, args, port, logs / f"{file_stem(system)}.log")
+        log = f"{file_stem(system)}{f'.start{start + 1}' if start else ''}.log"
+        self.server = Server(python, args, port, logs / log)
 
     def warm(self, prompts: list[list[int]], levels: list[int], new_tokens: int,
              ignore_eos: bool, t0: float) -> None:
@@ -214,14 +220,16 @@ class Running:
 def run_systems(systems: list[str], python: str, target: str, draft: str,
                 levels: list[int], repeats: int, new_tokens: int, prompts: list[list[int]],
                 logs: Path, port: int, k_max: int | None = None, ignore_eos: bool = True,
-                timings: bool = False, interleave: bool = False,
+                timings: bool = False, interleave: bool = False, restart: bool = False,
                 on_repeat: Callable[[dict[str, dict[int, list[dict]]]], None] | None = None,
                 ) -> dict[str, dict[int, list[dict]]]:
     """{system: {concurrency: [one result per repeat]}}. One server at a time, its repeats
     back to back; or (interleave) every server up at once (each sleeps while idle) and each
     (repeat, level) measured on every system in turn in `cell_order`, so a machine
-    drifting over the run moves every system alike. `on_repeat(results so far)` runs
-    after every repeat (the caller saves them: a run stopped early keeps its repeats)."""
+    drifting over the run moves every system alike. restart: fresh servers (started and
+    warmed again) for every repeat, so that the repeats sample how fast a start happens to
+    be. `on_repeat(results so far)` runs after every repeat (the caller saves them: a run
+    stopped early keeps its repeats)."""
     out: dict[str, dict[int, list[dict]]] = {s: {c: [] for c in levels} for s in systems}
 
     def record(run: Running, rep: int, c: int) -> None:
@@ -231,30 +239,35 @@ def run_systems(systems: list[str], python: str, target: str, draft: str,
               f"{r['tok_s']:.1f} tok/s ({r['wall']:.1f} s)", flush=True)
 
     groups = [systems] if interleave else [[s] for s in systems]
+    # the repeats each set of servers measures: all of them, or one each (restart)
+    blocks = [[r] for r in range(repeats)] if restart else [list(range(repeats))]
     for group in groups:
-        t0 = time.monotonic()
-        runs: list[Running] = []
-        try:
-            # one server starts at a time: SGLang sizes its KV pool on a CPU from the memory
-            # its weights leave free, which servers loading beside it would take (exit 247)
-            for i, s in enumerate(group):
-                runs.append(Running(s, python, target, draft, logs, port + i, k_max, timings))
-                runs[-1].server.wait()
-            for run in runs:
-                run.warm(prompts, levels, new_tokens, ignore_eos, t0)
-            for rep in range(repeats):
-                t_rep = time.monotonic()
-                for c in levels:
-                    for run in cell_order(runs, rep):
-                        record(run, rep, c)
-                left = (repeats - rep - 1) * (time.monotonic() - t_rep) / 60
-                print(f"repeat {rep + 1}/{repeats} of {group} done; about {left:.0f} minutes "
-                      "of its repeats left", flush=True)
-                if on_repeat is not None:
-                    on_repeat(out)
-        finally:
-            for run in runs:
-                run.server.stop()
+        for block in blocks:
+            t0 = time.monotonic()
+            runs: list[Running] = []
+            try:
+                # one server starts at a time: SGLang sizes its KV pool on a CPU from the
+                # memory its weights leave free, which servers loading beside it would take
+                for i, s in enumerate(group):
+                    runs.append(Running(s, python, target, draft, logs, port + i, k_max,
+                                        timings, start=block[0] if restart else 0))
+                    runs[-1].server.wait()
+                for run in runs:
+                    run.warm(prompts, levels, new_tokens, ignore_eos, t0)
+                for rep in block:
+                    t_rep = time.monotonic()
+                    for c in levels:
+                        for run in cell_order(runs, rep):
+                            record(run, rep, c)
+                    per = (time.monotonic() - (t0 if restart else t_rep)) / 60
+                    print(f"repeat {rep + 1}/{repeats} of {group} done; about "
+                          f"{(repeats - rep - 1) * per:.0f} minutes of its repeats left",
+                          flush=True)
+                    if on_repeat is not None:
+                        on_repeat(out)
+            finally:
+                for run in runs:
+                    run.server.stop()
     return out
 
 
@@ -321,6 +334,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interleave", action="store_true",
                    help="start every system's server at once and measure each repeat and "
                         "level on all of them in turn (a drifting machine moves all alike)")
+    p.add_argument("--restart", action="store_true",
+                   help="fresh servers for every repeat: on a shared 2-core VM one start of "
+                        "a server can stay ~20%% faster than another start of the same one "
+                        "(BENCHMARKS.md), which repeats on one start do not sample")
     p.add_argument("--port", type=int, default=31877,
                    help="the first system's port (interleaved: one port per system)")
     p.add_argument("--out", default="out/bench_sglang_specserve.json")
@@ -342,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     # the AMD EPYC (AVX2; five starting at once: 11 min); a (system, level, repeat) cell takes
     # 0.3 (built-in pair, C = 1) to 1.5 min (smollm2, C = 16) on the Xeon, 3x that on the EPYC
     n, cells = len(systems), len(systems) * len(levels) * args.repeats
+    n *= args.repeats if args.restart else 1  # server starts
     print(f"SGLang closed loop: {systems} at concurrency {levels}, {args.repeats} repeats, "
           f"{args.new_tokens} tokens a request; about {n + 0.3 * cells:.0f}-"
           f"{1.5 * n + 1.5 * cells:.0f} minutes on a 2-core Intel Xeon with AMX, up to 3x that "
@@ -363,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     results = run_systems(systems, python, target, draft, levels, args.repeats,
                           args.new_tokens, prompts, logs, args.port, args.k_max,
                           ignore_eos=not chat, timings=args.timings,
-                          interleave=args.interleave, on_repeat=save)
+                          interleave=args.interleave, restart=args.restart,
+                          on_repeat=save)
     rows, summary = [], {}
     for c in levels:
         med = {s: statistics.median(r["tok_s"] for r in results[s][c]) for s in systems}

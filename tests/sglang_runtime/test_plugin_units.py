@@ -253,6 +253,59 @@ def test_interleaved_repeats_give_every_system_the_same_mean_position():
     assert all(sorted(o) == runs for o in orders)
 
 
+@pytest.mark.parametrize("restart", [False, True])
+def test_restart_starts_fresh_servers_for_every_repeat(monkeypatch, tmp_path, restart):
+    """--restart: each repeat on servers started (and warmed) for it, every server stopped
+    before the next repeat's start; without it one start serves every repeat. The servers
+    are stood in for (their process is the outside world of this loop)."""
+    import sloserve.bench.sglang_specserve as bench
+
+    events: list[tuple] = []
+
+    class FakeServer:
+        def __init__(self, system: str, start: int) -> None:
+            self.system, self.start = system, start
+
+        def wait(self) -> None:
+            events.append(("up", self.system, self.start))
+
+        def stop(self) -> None:
+            events.append(("stop", self.system, self.start))
+
+    class FakeRunning:
+        def __init__(self, system, python, target, draft, logs, port, k_max, timings,
+                     start=0):
+            self.system, self.server = system, FakeServer(system, start)
+
+        def warm(self, *args) -> None:
+            events.append(("warm", self.system, self.server.start))
+
+        def measure(self, prompts, c, new_tokens, ignore_eos) -> dict:
+            events.append(("measure", self.system, self.server.start, c))
+            return {"tok_s": 1.0, "wall": 1.0}
+
+    monkeypatch.setattr(bench, "Running", FakeRunning)
+    saved = []
+    out = bench.run_systems(["a", "b"], "py", "t", "d", [1, 4], 3, 8, [[1]], tmp_path, 1,
+                            interleave=True, restart=restart,
+                            on_repeat=lambda r: saved.append(len(r["a"][1])))
+    assert {s: {c: len(v) for c, v in r.items()} for s, r in out.items()} == \
+        {"a": {1: 3, 4: 3}, "b": {1: 3, 4: 3}}
+    assert saved == [1, 2, 3]
+    starts = [e[2] for e in events if e[0] == "up"]
+    assert starts == ([0, 0, 1, 1, 2, 2] if restart else [0, 0])
+    # every measurement on a server that is up: started, not yet stopped
+    live: set[tuple] = set()
+    for e in events:
+        if e[0] == "up":
+            live.add(e[1:3])
+        elif e[0] == "stop":
+            live.discard(e[1:3])
+        elif e[0] == "measure":
+            assert e[1:3] in live, e
+    assert not live
+
+
 def test_prompt_lookup_verifies_per_request_lengths_by_default(monkeypatch):
     """--spec-lengths defaults by drafter: per-request with prompt lookup (its chain is
     looked up whole, each request verifies its own length), uniform with a draft model; an
