@@ -43,7 +43,10 @@ here.
 Load: a closed loop of C clients (C = each level); each sends an ordinary prompt (Spec-Bench
 questions when beside the checkout, cut to --prompt-tokens of the target's tokenizer) asking for --new-tokens greedy tokens (ignore_eos) and
 sends the next when its answer arrives, until max(4 C, 8) requests finished. tok/s =
-completion tokens / wall seconds of the loop. Each level is measured --repeats times after a
+completion tokens / wall seconds of the loop; steady tok/s = the tokens streamed while all C
+clients still had a request in flight / those seconds (the loop's drain, in which fewer than
+C requests run and whose length is set by how far apart the last ones finish, left out:
+with four requests a client it was 7-17% of a loop's time on the Xeon, 2026-11-28). Each level is measured --repeats times after a
 warm-up loop (compiles, caches, SPECSERVE's calibration and online correction) and the
 median reported. The servers run one at a time, or with --interleave all at once (each
 sleeps while idle) with every repeat and level measured on each system in turn, every second
@@ -153,31 +156,75 @@ class Server:
             raise
 
     def generate(self, ids: list[int], new_tokens: int, ignore_eos: bool = True) -> dict:
-        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": new_tokens,
-                                                  "temperature": 0, "ignore_eos": ignore_eos}}
-        req = urllib.request.Request(self.url + "/generate", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=3600) as r:
-            return json.loads(r.read())
+        return generate(self.url, ids, new_tokens, ignore_eos)
 
     def stop(self) -> None:
         stop_server(self.proc, 60)
 
 
+def generate(url: str, ids: list[int], new_tokens: int, ignore_eos: bool = True) -> dict:
+    """One greedy request to SGLang's /generate, streamed: the last chunk's JSON (the whole
+    output and meta_info) with "arrivals", [(perf_counter seconds, completion tokens so far)]
+    for every chunk, so a closed loop can count the tokens made in any window of it."""
+    body = {"input_ids": ids, "stream": True,
+            "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0,
+                                "ignore_eos": ignore_eos}}
+    req = urllib.request.Request(url + "/generate", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    last: dict = {}
+    arrivals: list[tuple[float, int]] = []
+    with urllib.request.urlopen(req, timeout=3600) as r:
+        for raw in r:  # server-sent events: "data: {json}" lines, then "data: [DONE]"
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            last = json.loads(line[len("data:"):])
+            if "error" in last:
+                raise RuntimeError(f"{url}/generate: {last['error']}")
+            arrivals.append((time.perf_counter(), int(last["meta_info"]["completion_tokens"])))
+    if not arrivals:
+        raise RuntimeError(f"{url}/generate: the stream ended without a chunk")
+    return {**last, "arrivals": arrivals}
+
+
+def steady_window(requests: list[tuple[float, list[tuple[float, int]]]]) -> tuple[float, int]:
+    """(seconds, tokens) of a closed loop while every client still had a request in flight.
+
+    requests: per request (start, arrivals), times from the loop's start, arrivals as
+    `generate` returns them (the last one is the request's end). After the last request
+    starts, the next one to finish leaves its client with nothing to send: from then on the
+    loop drains at less than its concurrency, and the drain's length depends on how far
+    apart the last requests finish rather than on how fast the server is at that
+    concurrency. The window ends at that finish (at C = 1, the loop's end); tokens are the
+    ones that had arrived by then."""
+    last_start = max(start for start, _ in requests)
+    end = min(arr[-1][0] for start, arr in requests if arr[-1][0] > last_start)
+    tokens = sum(max((n for t, n in arr if t <= end), default=0) for _, arr in requests)
+    return end, tokens
+
+
 def closed_loop(server: Server, prompts: list[list[int]], concurrency: int, n: int,
                 new_tokens: int, ignore_eos: bool = True) -> dict:
-    """n requests, `concurrency` in flight; tok/s over the loop's wall time."""
+    """n requests, `concurrency` in flight; tok/s over the loop's wall time (its drain
+    included) and over its steady window (`steady_window`)."""
     t0 = time.perf_counter()
+
+    def one(i: int) -> tuple[float, dict]:
+        start = time.perf_counter() - t0
+        return start, server.generate(prompts[i % len(prompts)], new_tokens, ignore_eos)
+
     with ThreadPoolExecutor(concurrency) as pool:
-        outs = list(pool.map(
-            lambda i: server.generate(prompts[i % len(prompts)], new_tokens, ignore_eos),
-            range(n)))
+        done = list(pool.map(one, range(n)))
     wall = time.perf_counter() - t0
+    outs = [o for _, o in done]
     metas = [o["meta_info"] for o in outs]
     tokens = sum(m["completion_tokens"] for m in metas)
     verify = sum(m.get("spec_verify_ct", 0) for m in metas)
     steps = [k for m in metas for k in m.get("sloserve_draft_steps", [])]
+    steady_s, steady_tokens = steady_window(
+        [(start, [(t - t0, k) for t, k in o["arrivals"]]) for start, o in done])
     return {"tok_s": tokens / wall, "wall": wall, "requests": n, "tokens": tokens,
+            "steady_tok_s": steady_tokens / steady_s, "steady_s": steady_s,
             "accept_len": tokens / verify if verify else None,
             "mean_k": statistics.mean(steps) if steps else None}
 
@@ -236,7 +283,8 @@ def run_systems(systems: list[str], python: str, target: str, draft: str,
         r = run.measure(prompts, c, new_tokens, ignore_eos)
         out[run.system][c].append(r)
         print(f"[{run.system}] repeat {rep + 1}/{repeats} concurrency {c}: "
-              f"{r['tok_s']:.1f} tok/s ({r['wall']:.1f} s)", flush=True)
+              f"{r['tok_s']:.1f} tok/s ({r['wall']:.1f} s), steady "
+              f"{r['steady_tok_s']:.1f} tok/s ({r['steady_s']:.1f} s)", flush=True)
 
     groups = [systems] if interleave else [[s] for s in systems]
     # the repeats each set of servers measures: all of them, or one each (restart)
@@ -383,9 +431,11 @@ def main(argv: list[str] | None = None) -> int:
                           ignore_eos=not chat, timings=args.timings,
                           interleave=args.interleave, restart=args.restart,
                           on_repeat=save)
-    rows, summary = [], {}
+    rows, summary, steady = [], {}, {}
     for c in levels:
         med = {s: statistics.median(r["tok_s"] for r in results[s][c]) for s in systems}
+        steady[c] = {s: statistics.median(r["steady_tok_s"] for r in results[s][c])
+                     for s in systems}
         best = max(med.values())
         for s in systems:
             runs = results[s][c]
@@ -393,11 +443,16 @@ def main(argv: list[str] | None = None) -> int:
             ks = [r["mean_k"] for r in runs if r["mean_k"] is not None]
             rows.append([c, s, f"{med[s]:.1f}", f"{med[s] / best:.3f}",
                          f"{med[s] / med['plain']:.3f}" if "plain" in med else "-",
+                         f"{steady[c][s]:.1f}",
+                         f"{steady[c][s] / steady[c]['plain']:.3f}" if "plain" in med else "-",
                          f"{statistics.median(acc):.2f}" if acc else "-",
                          f"{statistics.median(ks):.2f}" if ks else "-",
                          " ".join(f"{r['tok_s']:.0f}" for r in runs)])
         summary[c] = med
-    print_table(["C", "system", "tok/s (median)", "vs best", "vs plain", "tokens/verify",
+    print("(steady: tok/s while all C clients had a request in flight, the loop's drain left"
+          " out)")
+    print_table(["C", "system", "tok/s (median)", "vs best", "vs plain", "steady tok/s",
+                 "steady vs plain", "tokens/verify",
                  "mean k", "repeats tok/s"], rows)
     if args.timings:
         brows = []
@@ -418,17 +473,17 @@ def main(argv: list[str] | None = None) -> int:
                          "other ms"],
                         brows)
     mine = [s for s in systems if ours(s)]
-    for c in levels:
-        m = summary[c]
+    for c, metric in ((c, metric) for metric in ("tok_s", "steady_tok_s") for c in levels):
+        m = summary[c] if metric == "tok_s" else steady[c]
         others = [v for s, v in m.items() if not ours(s)]
         for s in mine:
-            line = f"concurrency {c}: {s}"
+            line = f"concurrency {c}{' (steady)' if metric != 'tok_s' else ''}: {s}"
             if others:
                 line += f" {m[s] / max(others) - 1:+.1%} vs the best of SGLang's"
             if "plain" in m:
                 line += f", {m[s] / m['plain'] - 1:+.1%} vs plain"
                 # the same repeat's cells lie minutes apart: a drift between repeats cancels
-                paired = [a["tok_s"] / b["tok_s"] for a, b in zip(results[s][c],
+                paired = [a[metric] / b[metric] for a, b in zip(results[s][c],
                                                                    results["plain"][c])]
                 line += (f" (per repeat {' '.join(f'{x - 1:+.1%}' for x in paired)}, "
                          f"median {statistics.median(paired) - 1:+.1%})")

@@ -282,7 +282,7 @@ def test_restart_starts_fresh_servers_for_every_repeat(monkeypatch, tmp_path, re
 
         def measure(self, prompts, c, new_tokens, ignore_eos) -> dict:
             events.append(("measure", self.system, self.server.start, c))
-            return {"tok_s": 1.0, "wall": 1.0}
+            return {"tok_s": 1.0, "wall": 1.0, "steady_tok_s": 1.0, "steady_s": 1.0}
 
     monkeypatch.setattr(bench, "Running", FakeRunning)
     saved = []
@@ -468,3 +468,18 @@ def test_the_inner_sglang_port_is_free_and_not_the_kernels_next_ephemeral_one():
     for p in ports:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", p))  # free
+
+
+def test_steady_window_ends_when_the_first_client_runs_out_of_work():
+    """The closed loop's steady window: two clients, three requests. The third starts at
+    t = 4 when the second request ends; the next finish after it (the first request, t = 10)
+    leaves a client with nothing to send, so the window ends there and counts the third
+    request's tokens streamed by then (2 of 6), not those of its drain to t = 12."""
+    from sloserve.bench.sglang_specserve import steady_window
+
+    first = (0.0, [(1.0, 1), (5.0, 3), (10.0, 4)])
+    second = (0.0, [(2.0, 2), (4.0, 5)])
+    third = (4.0, [(6.0, 1), (9.5, 2), (11.0, 5), (12.0, 6)])
+    assert steady_window([first, second, third]) == (10.0, 4 + 5 + 2)
+    # one client: the window is the whole loop
+    assert steady_window([(0.0, [(3.0, 8)]), (3.0, [(4.0, 2), (7.0, 8)])]) == (7.0, 16)

@@ -87,6 +87,24 @@ def test_greedy_output_equals_plain_decoding(launched):
         [g["output_ids"] for g in _all_at_once(plain, batch)]
 
 
+def test_the_closed_loop_benchmark_streams_the_output_generate_returns(launched):
+    """sloserve.bench.sglang_specserve counts tokens as SPECSERVE's server streams them
+    (its steady window): the streamed output is the unstreamed one, token counts and times
+    only grow, and the last chunk carries the whole meta_info the tables are built from."""
+    from sloserve.bench.sglang_specserve import generate
+
+    server = launched("specserve")
+    for ids in _prompts(3, seed=23):
+        want = _gen(server, ids)
+        got = generate(server.url, ids, MAX_NEW)
+        assert got["output_ids"] == want["output_ids"]
+        times, counts = zip(*got["arrivals"])
+        assert list(times) == sorted(times) and list(counts) == sorted(counts)
+        assert counts[-1] == got["meta_info"]["completion_tokens"] == MAX_NEW
+        assert got["meta_info"]["spec_verify_ct"] >= 1
+        assert len(got["meta_info"]["sloserve_draft_steps"]) >= 1
+
+
 def test_draft_steps_fall_as_concurrency_rises(launched):
     """Requests whose TPOT SLO is 4x this server's plain decode step alone (measured here,
     so the test holds on slower and faster machines): alone, every draft length fits it and
