@@ -31,12 +31,15 @@ def test_sweep_replays_the_same_requests_on_every_sglang_server(sglang_python,
     target, draft = tiny_sglang_pair
     out = tmp_path / "sweep"
     systems = "plain,sloserve-ngram:specserve-slo:per-request"
+    # the servers take --port and --port + 1: below the kernel's ephemeral range (32768 up),
+    # where a client connection of this session can hold a port (CI of d035d09: "port 33878
+    # is in use")
     cmd = [sys.executable, "-m", "sloserve.replay.sweep", "--target", "sglang",
            "--model", target, "--draft-model-path", draft, "--policies", systems,
            "--default-policy", "sloserve-ngram:specserve-slo:per-request",
            "--trace", str(TRACE), "--loads", "1", "--rate-unit", "ar", "--seeds", "0",
            "--requests", "8", "--output-scale", "0.1", "--output-max", "12",
-           "--tpot-slo-ms", "200", "--ttft-slo-ms", "5000", "--port", "33877",
+           "--tpot-slo-ms", "200", "--ttft-slo-ms", "5000", "--port", "29877",
            "--out", str(out), "--no-plots", "--servers", "one"]
     env = {**os.environ, "SLOSERVE_SGLANG_PYTHON": sglang_python}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
