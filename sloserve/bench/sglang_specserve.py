@@ -41,13 +41,14 @@ STANDALONE SGLang logs that it falls back to static steps, so it is not a separa
 here.
 
 Load: a closed loop of C clients (C = each level); each sends an ordinary prompt (Spec-Bench
-questions when beside the checkout, cut to --prompt-tokens of the target's tokenizer) asking for --new-tokens greedy tokens (ignore_eos) and
-sends the next when its answer arrives, until max(4 C, 8) requests finished. tok/s =
-completion tokens / wall seconds of the loop; steady tok/s = the tokens streamed while all C
-clients still had a request in flight / those seconds (the loop's drain, in which fewer than
-C requests run and whose length is set by how far apart the last ones finish, left out:
-with four requests a client it was 7-17% of a loop's time on the Xeon, 2026-11-28). Each level is measured --repeats times after a
-warm-up loop (compiles, caches, SPECSERVE's calibration and online correction) and the
+questions when beside the checkout, cut to --prompt-tokens of the target's tokenizer) asking
+for --new-tokens greedy tokens (ignore_eos) and sends the next when its answer arrives,
+until max(4 C, 8) requests finished. tok/s = completion tokens / wall seconds of the loop;
+steady tok/s = the tokens streamed while all C clients still had a request in flight / those
+seconds (the loop's drain, in which fewer than C requests run and whose length is set by how
+far apart the last ones finish, left out: with four requests a client it was 7-17% of a
+loop's time on the Xeon, 2026-11-28). Each level is measured --repeats times after a warm-up
+loop (compiles, caches, SPECSERVE's calibration and online correction) and the
 median reported. The servers run one at a time, or with --interleave all at once (each
 sleeps while idle) with every repeat and level measured on each system in turn, every second
 repeat in the reverse order of the one before and the order rotating per pair of repeats
@@ -73,6 +74,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from sloserve.bench.common import bench_prompts, machine_info, print_table, write_json
+from sloserve.replay.http_target import SSEStream, consume_sse_line
 from sloserve.sglang_cpu.cpu_server import stop_server, wait_ready
 
 REPO = Path(__file__).resolve().parents[2]
@@ -163,28 +165,26 @@ class Server:
 
 
 def generate(url: str, ids: list[int], new_tokens: int, ignore_eos: bool = True) -> dict:
-    """One greedy request to SGLang's /generate, streamed: the last chunk's JSON (the whole
-    output and meta_info) with "arrivals", [(perf_counter seconds, completion tokens so far)]
-    for every chunk, so a closed loop can count the tokens made in any window of it."""
+    """One greedy request to SGLang's /generate, streamed and read as the replay's HTTP
+    target reads it: the last chunk's JSON (the whole output and meta_info) with
+    "arrivals", [(perf_counter seconds, completion tokens so far)] whenever the count grew,
+    so a closed loop can count the tokens made in any window of it."""
     body = {"input_ids": ids, "stream": True,
             "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0,
                                 "ignore_eos": ignore_eos}}
     req = urllib.request.Request(url + "/generate", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
-    last: dict = {}
-    arrivals: list[tuple[float, int]] = []
+    stream = SSEStream()
     with urllib.request.urlopen(req, timeout=3600) as r:
-        for raw in r:  # server-sent events: "data: {json}" lines, then "data: [DONE]"
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            last = json.loads(line[len("data:"):])
-            if "error" in last:
-                raise RuntimeError(f"{url}/generate: {last['error']}")
-            arrivals.append((time.perf_counter(), int(last["meta_info"]["completion_tokens"])))
-    if not arrivals:
-        raise RuntimeError(f"{url}/generate: the stream ended without a chunk")
-    return {**last, "arrivals": arrivals}
+        for raw in r:
+            error = consume_sse_line(raw.decode(), time.perf_counter(), stream)
+            if error is not None:
+                raise RuntimeError(f"{url}/generate: {error}")
+            if stream.done:
+                break
+    if not stream.chunk_s:
+        raise RuntimeError(f"{url}/generate: the stream ended without a token")
+    return {**stream.last, "arrivals": list(zip(stream.chunk_s, stream.chunk_tokens))}
 
 
 def steady_window(requests: list[tuple[float, list[tuple[float, int]]]]) -> tuple[float, int]:

@@ -30,13 +30,14 @@ DEFAULT_TIMEOUT_S = 6 * 3600.0  # per request, like vllm bench serve's aiohttp t
 
 
 @dataclass
-class _Stream:
+class SSEStream:
     """Accumulates one response; times are seconds since the run start."""
 
     chunk_s: list[float] = field(default_factory=list)
     chunk_tokens: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
     done: bool = False
+    last: dict[str, Any] = field(default_factory=dict)  # the latest chunk: whole output, meta_info
 
 
 class SGLangHTTPTarget:
@@ -123,7 +124,7 @@ class SGLangHTTPTarget:
 
     async def _send(self, client: httpx.AsyncClient, req: ReplayRequest, t0: float
                     ) -> RequestRecord:
-        stream = _Stream(prompt_tokens=req.prompt_tokens or 0)
+        stream = SSEStream(prompt_tokens=req.prompt_tokens or 0)
         send_s = time.perf_counter() - t0
         error: str | None = None
         try:
@@ -133,7 +134,7 @@ class SGLangHTTPTarget:
                     error = f"HTTP {resp.status_code}: {body[:300]}"
                 else:
                     async for line in resp.aiter_lines():
-                        error = _consume_line(line, time.perf_counter() - t0, stream)
+                        error = consume_sse_line(line, time.perf_counter() - t0, stream)
                         if error is not None or stream.done:
                             break
         except (httpx.HTTPError, OSError) as e:
@@ -150,7 +151,7 @@ class SGLangHTTPTarget:
         )
 
 
-def _consume_line(line: str, now_s: float, stream: _Stream) -> str | None:
+def consume_sse_line(line: str, now_s: float, stream: SSEStream) -> str | None:
     """Apply one SSE line to `stream`; returns an error message or None."""
     line = line.strip()
     if not line.startswith("data:"):
@@ -171,6 +172,7 @@ def _consume_line(line: str, now_s: float, stream: _Stream) -> str | None:
     count = meta.get("completion_tokens")
     if not isinstance(count, int):
         return f"chunk without meta_info.completion_tokens: {data[:200]!r}"
+    stream.last = obj
     if isinstance(meta.get("prompt_tokens"), int):
         stream.prompt_tokens = meta["prompt_tokens"]
     if count > (stream.chunk_tokens[-1] if stream.chunk_tokens else 0):

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from sloserve.cli.targets import make_target
-from sloserve.replay.http_target import SGLangHTTPTarget, _consume_line, _Stream
+from sloserve.replay.http_target import SGLangHTTPTarget, SSEStream, consume_sse_line
 from sloserve.replay.metrics import SloConfig, summarize_run
 from sloserve.replay.records import PolicyRun, ReplayRequest
 
@@ -84,14 +84,14 @@ def test_failures_are_recorded_not_raised(fake_sglang):
 
 
 def test_sse_line_parsing():
-    s = _Stream()
-    assert _consume_line("", 0.1, s) is None and _consume_line(": ping", 0.1, s) is None
-    assert _consume_line('data: {"text": "a", "meta_info": {"completion_tokens": 1, '
+    s = SSEStream()
+    assert consume_sse_line("", 0.1, s) is None and consume_sse_line(": ping", 0.1, s) is None
+    assert consume_sse_line('data: {"text": "a", "meta_info": {"completion_tokens": 1, '
                          '"prompt_tokens": 7}}', 0.2, s) is None
     assert (s.chunk_s, s.chunk_tokens, s.prompt_tokens) == ([0.2], [1], 7)
-    assert "completion_tokens" in _consume_line('data: {"text": "a"}', 0.3, s)
-    assert "invalid JSON" in _consume_line("data: {oops", 0.3, s)
-    assert _consume_line("data: [DONE]", 0.4, s) is None and s.done
+    assert "completion_tokens" in consume_sse_line('data: {"text": "a"}', 0.3, s)
+    assert "invalid JSON" in consume_sse_line("data: {oops", 0.3, s)
+    assert consume_sse_line("data: [DONE]", 0.4, s) is None and s.done
 
 
 def test_make_target():
