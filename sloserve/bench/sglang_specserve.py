@@ -56,7 +56,12 @@ repeat in the reverse order of the one before and the order rotating per pair of
 every system alike. Run it on a quiet machine (CPU contention slows SGLang's
 steps 20x). With --restart every repeat starts (and warms) its servers afresh: a
 server's speed can differ from one start to the next by more than the effects measured here,
-and then only repeats over starts show it. Prints a table and writes JSON.
+and then only repeats over starts show it. With --slices N (and --interleave) each cell's
+loop is cut into N consecutive slices and the systems take turns at every slice (the order
+of `cell_order` per slice), the cell's figures summed over its slices (`merge_loops`): on a
+VM whose speed swings by 20% within a minute (the Xeon, 2026-11-29: a step's time within one
+cell), turns of 10-20 s leave the systems far less apart than whole cells minutes apart.
+Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -204,29 +209,46 @@ def steady_window(requests: list[tuple[float, list[tuple[float, int]]]]) -> tupl
 
 
 def closed_loop(server: Server, prompts: list[list[int]], concurrency: int, n: int,
-                new_tokens: int, ignore_eos: bool = True) -> dict:
-    """n requests, `concurrency` in flight; tok/s over the loop's wall time (its drain
-    included) and over its steady window (`steady_window`)."""
+                new_tokens: int, ignore_eos: bool = True, first: int = 0) -> dict:
+    """n requests (prompts first, first + 1, ... cyclically), `concurrency` in flight; tok/s
+    over the loop's wall time (its drain included) and over its steady window
+    (`steady_window`), with the sums they come from (`merge_loops`)."""
     t0 = time.perf_counter()
 
     def one(i: int) -> tuple[float, dict]:
         start = time.perf_counter() - t0
-        return start, server.generate(prompts[i % len(prompts)], new_tokens, ignore_eos)
+        return start, server.generate(prompts[(first + i) % len(prompts)], new_tokens,
+                                      ignore_eos)
 
     with ThreadPoolExecutor(concurrency) as pool:
         done = list(pool.map(one, range(n)))
     wall = time.perf_counter() - t0
-    outs = [o for _, o in done]
-    metas = [o["meta_info"] for o in outs]
-    tokens = sum(m["completion_tokens"] for m in metas)
-    verify = sum(m.get("spec_verify_ct", 0) for m in metas)
+    metas = [o["meta_info"] for _, o in done]
     steps = [k for m in metas for k in m.get("sloserve_draft_steps", [])]
     steady_s, steady_tokens = steady_window(
         [(start, [(t - t0, k) for t, k in o["arrivals"]]) for start, o in done])
-    return {"tok_s": tokens / wall, "wall": wall, "requests": n, "tokens": tokens,
-            "steady_tok_s": steady_tokens / steady_s, "steady_s": steady_s,
-            "accept_len": tokens / verify if verify else None,
-            "mean_k": statistics.mean(steps) if steps else None}
+    return merge_loops([{
+        "wall": wall, "requests": n, "tokens": sum(m["completion_tokens"] for m in metas),
+        "steady_s": steady_s, "steady_tokens": steady_tokens,
+        "verify_ct": sum(m.get("spec_verify_ct", 0) for m in metas),
+        "draft_steps": len(steps), "drafted": sum(steps)}])
+
+
+SUMS = ("wall", "requests", "tokens", "steady_s", "steady_tokens", "verify_ct", "draft_steps",
+        "drafted")
+
+
+def merge_loops(parts: list[dict]) -> dict:
+    """One cell's figures from the closed loops it ran in (--slices: one per slice; each part
+    has the sums in SUMS): tok/s = all tokens over all the loops' seconds, steady tok/s
+    likewise over the steady windows, tokens per verify and the mean draft steps a
+    request's decode step drafted (None where nothing was verified or counted)."""
+    out = {k: sum(p[k] for p in parts) for k in SUMS}
+    return {**out, "slices": len(parts),
+            "tok_s": out["tokens"] / out["wall"],
+            "steady_tok_s": out["steady_tokens"] / out["steady_s"],
+            "accept_len": out["tokens"] / out["verify_ct"] if out["verify_ct"] else None,
+            "mean_k": out["drafted"] / out["draft_steps"] if out["draft_steps"] else None}
 
 
 class Running:
@@ -246,6 +268,7 @@ class Running:
             args += ["--spec-timings", str(self.timings_file.resolve())]
         log = f"{file_stem(system)}{f'.start{start + 1}' if start else ''}.log"
         self.server = Server(python, args, port, logs / log)
+        self.mark = 0  # the timings lines before the cell being measured
 
     def warm(self, prompts: list[list[int]], levels: list[int], new_tokens: int,
              ignore_eos: bool, t0: float) -> None:
@@ -256,11 +279,19 @@ class Running:
         closed_loop(self.server, prompts, 1, 2, new_tokens, ignore_eos)
 
     def measure(self, prompts: list[list[int]], c: int, new_tokens: int,
-                ignore_eos: bool) -> dict:
-        mark = _lines(self.timings_file) if self.timed else 0
-        r = closed_loop(self.server, prompts, c, max(4 * c, 8), new_tokens, ignore_eos)
-        if self.timed:
-            r["steps"] = step_breakdown(self.timings_file, mark)
+                ignore_eos: bool, part: int = 0, parts: int = 1) -> dict:
+        """Slice `part` of `parts` of the cell's closed loop at concurrency c (max(4 c, 8)
+        requests, prompts 0, 1, ... in order, cut into `parts` consecutive runs of at
+        least c requests each); the last slice carries the worker's per-step breakdown of
+        the whole cell (its timings lines since the first slice: no other server writes
+        them)."""
+        n = max(4 * c, 8)
+        lo, hi = part * n // parts, (part + 1) * n // parts
+        if self.timed and part == 0:
+            self.mark = _lines(self.timings_file)
+        r = closed_loop(self.server, prompts, c, hi - lo, new_tokens, ignore_eos, first=lo)
+        if self.timed and part == parts - 1:
+            r["steps"] = step_breakdown(self.timings_file, self.mark)
         return r
 
 
@@ -268,6 +299,7 @@ def run_systems(systems: list[str], python: str, target: str, draft: str,
                 levels: list[int], repeats: int, new_tokens: int, prompts: list[list[int]],
                 logs: Path, port: int, k_max: int | None = None, ignore_eos: bool = True,
                 timings: bool = False, interleave: bool = False, restart: bool = False,
+                slices: int = 1,
                 on_repeat: Callable[[dict[str, dict[int, list[dict]]]], None] | None = None,
                 ) -> dict[str, dict[int, list[dict]]]:
     """{system: {concurrency: [one result per repeat]}}. One server at a time, its repeats
@@ -275,16 +307,29 @@ def run_systems(systems: list[str], python: str, target: str, draft: str,
     (repeat, level) measured on every system in turn in `cell_order`, so a machine
     drifting over the run moves every system alike. restart: fresh servers (started and
     warmed again) for every repeat, so that the repeats sample how fast a start happens to
-    be. `on_repeat(results so far)` runs after every repeat (the caller saves them: a run
-    stopped early keeps its repeats)."""
+    be. slices: each cell's loop cut into this many slices, the systems taking turns at
+    every slice (`record`). `on_repeat(results so far)` runs after every repeat (the
+    caller saves them: a run stopped early keeps its repeats)."""
     out: dict[str, dict[int, list[dict]]] = {s: {c: [] for c in levels} for s in systems}
 
-    def record(run: Running, rep: int, c: int) -> None:
-        r = run.measure(prompts, c, new_tokens, ignore_eos)
-        out[run.system][c].append(r)
-        print(f"[{run.system}] repeat {rep + 1}/{repeats} concurrency {c}: "
-              f"{r['tok_s']:.1f} tok/s ({r['wall']:.1f} s), steady "
-              f"{r['steady_tok_s']:.1f} tok/s ({r['steady_s']:.1f} s)", flush=True)
+    def record(runs: list[Running], rep: int, c: int) -> None:
+        """One (repeat, level) cell on every system: `slices` rounds, each running one
+        slice of the cell's loop on every system in turn (cell_order), so that a machine
+        whose speed changes within the cell moves every system alike."""
+        parts: dict[str, list[dict]] = {run.system: [] for run in runs}
+        for part in range(slices):
+            for run in cell_order(runs, rep * slices + part):
+                parts[run.system].append(run.measure(prompts, c, new_tokens, ignore_eos,
+                                                     part, slices))
+        for run in runs:
+            r = merge_loops(parts[run.system])
+            steps = parts[run.system][-1].get("steps")
+            if steps is not None:
+                r["steps"] = steps
+            out[run.system][c].append(r)
+            print(f"[{run.system}] repeat {rep + 1}/{repeats} concurrency {c}: "
+                  f"{r['tok_s']:.1f} tok/s ({r['wall']:.1f} s), steady "
+                  f"{r['steady_tok_s']:.1f} tok/s ({r['steady_s']:.1f} s)", flush=True)
 
     groups = [systems] if interleave else [[s] for s in systems]
     # the repeats each set of servers measures: all of them, or one each (restart)
@@ -305,8 +350,7 @@ def run_systems(systems: list[str], python: str, target: str, draft: str,
                 for rep in block:
                     t_rep = time.monotonic()
                     for c in levels:
-                        for run in cell_order(runs, rep):
-                            record(run, rep, c)
+                        record(runs, rep, c)
                     per = (time.monotonic() - (t0 if restart else t_rep)) / 60
                     print(f"repeat {rep + 1}/{repeats} of {group} done; about "
                           f"{(repeats - rep - 1) * per:.0f} minutes of its repeats left",
@@ -386,10 +430,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="fresh servers for every repeat: on a shared 2-core VM one start of "
                         "a server can stay ~20%% faster than another start of the same one "
                         "(BENCHMARKS.md), which repeats on one start do not sample")
+    p.add_argument("--slices", type=int, default=1,
+                   help="with --interleave, cut each (repeat, level) loop into this many "
+                        "slices (1-4) and measure the systems in turn at every slice: a "
+                        "machine whose speed swings within minutes moves all alike")
     p.add_argument("--port", type=int, default=31877,
                    help="the first system's port (interleaved: one port per system)")
     p.add_argument("--out", default="out/bench_sglang_specserve.json")
     args = p.parse_args(argv)
+    if not 1 <= args.slices <= 4:  # a slice keeps at least C requests (max(4 C, 8) a cell)
+        p.error(f"argument --slices: {args.slices} is not in 1..4")
+    if args.slices > 1 and not args.interleave:
+        p.error("argument --slices: needs --interleave (the systems take turns per slice)")
     levels = [int(x) for x in args.levels.split(",")]
     systems = args.systems.split(",")
     from sloserve.runtime.models.presets import resolve_pair
@@ -430,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
                           args.new_tokens, prompts, logs, args.port, args.k_max,
                           ignore_eos=not chat, timings=args.timings,
                           interleave=args.interleave, restart=args.restart,
-                          on_repeat=save)
+                          slices=args.slices, on_repeat=save)
     rows, summary, steady = [], {}, {}
     for c in levels:
         med = {s: statistics.median(r["tok_s"] for r in results[s][c]) for s in systems}

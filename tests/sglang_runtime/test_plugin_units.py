@@ -280,9 +280,9 @@ def test_restart_starts_fresh_servers_for_every_repeat(monkeypatch, tmp_path, re
         def warm(self, *args) -> None:
             events.append(("warm", self.system, self.server.start))
 
-        def measure(self, prompts, c, new_tokens, ignore_eos) -> dict:
+        def measure(self, prompts, c, new_tokens, ignore_eos, part=0, parts=1) -> dict:
             events.append(("measure", self.system, self.server.start, c))
-            return {"tok_s": 1.0, "wall": 1.0, "steady_tok_s": 1.0, "steady_s": 1.0}
+            return _loop_sums(tokens=8, wall=1.0)
 
     monkeypatch.setattr(bench, "Running", FakeRunning)
     saved = []
@@ -304,6 +304,79 @@ def test_restart_starts_fresh_servers_for_every_repeat(monkeypatch, tmp_path, re
         elif e[0] == "measure":
             assert e[1:3] in live, e
     assert not live
+
+
+def _loop_sums(**kw) -> dict:
+    """A closed loop's sums (sglang_specserve.SUMS), zeros but for kw."""
+    from sloserve.bench.sglang_specserve import SUMS
+
+    return {**dict.fromkeys(SUMS, 0), "steady_s": 1.0, **kw}
+
+
+def test_a_cells_slices_add_up_to_one_loop():
+    """--slices: a cell's figures are its slices' sums over their seconds (not a mean of
+    their rates), tokens per verify and mean k likewise; nothing verified: None."""
+    from sloserve.bench.sglang_specserve import merge_loops
+
+    a = _loop_sums(wall=10.0, tokens=100, steady_s=8.0, steady_tokens=90, verify_ct=50,
+                   draft_steps=40, drafted=20)
+    b = _loop_sums(wall=30.0, tokens=100, steady_s=22.0, steady_tokens=60, verify_ct=50,
+                   draft_steps=60, drafted=80)
+    m = merge_loops([a, b])
+    assert m["tok_s"] == pytest.approx(200 / 40) and m["steady_tok_s"] == pytest.approx(5.0)
+    assert m["accept_len"] == pytest.approx(2.0) and m["mean_k"] == pytest.approx(1.0)
+    assert m["slices"] == 2 and m["wall"] == 40.0
+    plain = merge_loops([_loop_sums(wall=2.0, tokens=10)])
+    assert plain["accept_len"] is None and plain["mean_k"] is None
+    assert plain["tok_s"] == pytest.approx(5.0)
+
+
+def test_slices_take_turns_and_cover_the_cells_requests_once(monkeypatch, tmp_path):
+    """--slices 3 --interleave: every cell runs each system's slices in turn, the order of
+    cell_order per slice, so each system goes first in some slice), and the slices of a cell
+    are consecutive runs of its max(4 C, 8) requests, each at least C long, together each
+    request once."""
+    import sloserve.bench.sglang_specserve as bench
+
+    loops: list[tuple] = []
+
+    def fake_loop(server, prompts, c, n, new_tokens, ignore_eos, first=0):
+        loops.append((server, c, first, n))
+        return bench.merge_loops([_loop_sums(wall=1.0, tokens=n * new_tokens)])
+
+    class FakeServer:
+        def __init__(self, *args, **kw) -> None:
+            pass
+
+        def wait(self) -> None:
+            pass
+
+        def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr(bench, "closed_loop", fake_loop)
+    monkeypatch.setattr(bench, "Server", FakeServer)
+    monkeypatch.setattr(bench.Running, "warm", lambda self, *a: None)
+    out = bench.run_systems(["plain", "sloserve"], "py", "t", "d", [1, 4], 2, 8, [[1]],
+                            tmp_path, 1, interleave=True, slices=3)
+    # 2 repeats x 2 levels x 3 slices x 2 systems
+    assert len(loops) == 24
+    for cell in range(4):
+        cell_loops = loops[6 * cell: 6 * cell + 6]
+        c = cell_loops[0][1]
+        firsts: dict[object, list[tuple[int, int]]] = {}
+        for server, cc, first, n in cell_loops:
+            assert cc == c and n >= c
+            firsts.setdefault(server, []).append((first, n))
+        for runs in firsts.values():
+            covered = [i for first, n in runs for i in range(first, first + n)]
+            assert covered == list(range(max(4 * c, 8)))
+        slices = [[server for server, *_ in cell_loops[i: i + 2]] for i in (0, 2, 4)]
+        assert all(len(set(pair)) == 2 for pair in slices)  # each system once a slice
+        assert len({pair[0] for pair in slices}) == 2  # and each goes first in some slice
+    for s in ("plain", "sloserve"):
+        assert [r["tokens"] for r in out[s][4]] == [16 * 8] * 2
+        assert all(r["slices"] == 3 for c in (1, 4) for r in out[s][c])
 
 
 def test_prompt_lookup_verifies_per_request_lengths_by_default(monkeypatch):
