@@ -332,7 +332,7 @@ def test_a_cells_slices_add_up_to_one_loop():
 
 
 def test_slices_take_turns_and_cover_the_cells_requests_once(monkeypatch, tmp_path):
-    """--slices 3 --interleave: every cell runs each system's slices in turn, the order of
+    """--slices 3 --interleave: every cell runs each system's slices in turn (the order of
     cell_order per slice, so each system goes first in some slice), and the slices of a cell
     are consecutive runs of its max(4 C, 8) requests, each at least C long, together each
     request once."""
