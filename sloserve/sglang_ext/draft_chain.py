@@ -104,6 +104,8 @@ class AlignedDraft:
         # the draft's memory pool does not exist yet when the worker is built)
         self._book: DraftKVBook | None = None  # (likewise)
         self.caught_up_tokens = 0  # positions read by catch-up extends (tests, logs)
+        # chain_topology's rows for batches wider than SGLang's preallocated ones
+        self._wide: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def book(self) -> DraftKVBook:
@@ -195,7 +197,7 @@ class AlignedDraft:
             num_tokens_per_req=1, num_tokens_for_logprob_per_req=1)
 
     # ----- draft: k rounds from the bonus token, then SGLang's verify input
-    def draft(self, batch: Any, *, with_topology: bool = False) -> Any:
+    def draft(self, batch: Any) -> Any:
         dw = self.dw
         k = dw.speculative_num_steps
         draft_input: EagleDraftInput = batch.spec_info
@@ -211,15 +213,28 @@ class AlignedDraft:
         self.last_q = torch.stack(qs, dim=1) if qs else None
         if self.on_chain is not None:  # want_conf: a confidence per round
             self.on_chain(batch, draft_tokens, torch.stack(confs, dim=1))
-        verify_input = build_eagle_verify_input(
-            batch, draft_input, dw._topk1_parents_prealloc[:bs],
-            dw._topk1_score_indices_prealloc[:bs], draft_tokens, None,
+        parents, scores = self.chain_topology(bs)
+        return build_eagle_verify_input(
+            batch, draft_input, parents, scores, draft_tokens, None,
             target_worker=dw.target_worker, topk=1, num_steps=k, num_draft_tokens=k + 1,
             tree_mask_mode=dw.tree_mask_mode, device=dw.device)
-        if with_topology:
-            return verify_input, dw._topk1_parents_prealloc[:bs], \
-                dw._topk1_score_indices_prealloc[:bs]
-        return verify_input
+
+    def chain_topology(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-1 chain's tree for bs requests, as build_eagle_verify_input reads it: each
+        node's parent [bs, P] and its score index [bs, S] (every row alike). SGLang
+        preallocates rows for the largest decode batch it knows of at start (CUDA graphs'
+        batch sizes, max_running_requests) and takes its own slow path past them; a CPU
+        server batched 64 requests past them and its scheduler died in the tree kernel, so
+        wider batches get row 0 repeated."""
+        parents = self.dw._topk1_parents_prealloc
+        scores = self.dw._topk1_score_indices_prealloc
+        if parents.shape[0] < bs:
+            wide = self._wide
+            if wide is None or wide[0].shape[0] < bs:
+                wide = (parents[:1].repeat(bs, 1), scores[:1].repeat(bs, 1))
+                self._wide = wide
+            parents, scores = wide
+        return parents[:bs], scores[:bs]
 
     def go_on(self, batch: Any, conf: torch.Tensor | None) -> bool:
         """Whether another draft round runs after one with these [bs] confidences."""
