@@ -61,17 +61,25 @@ loop is cut into N consecutive slices and the systems take turns at every slice 
 of `cell_order` per slice), the cell's figures summed over its slices (`merge_loops`): on a
 VM whose speed swings by 20% within a minute (the Xeon, 2026-11-29: a step's time within one
 cell), turns of 10-20 s leave the systems far less apart than whole cells minutes apart.
+A slice of max(4 C, 8) / N requests is one or two waves at C >= 4, and a counted loop's
+last wave drains for as long as its slowest request runs: speculation spreads the steps at
+which requests finish (each accepts its own), so a few-wave loop prices that spread rather
+than the server's rate at C. With --seconds S each loop (each slice) is timed instead: C
+clients for S seconds, the requests still running then aborted, and tok/s (steady tok/s
+alike) over the window from the opening prefills' end to S (`timed_loop`).
 Prints a table and writes JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -162,18 +170,22 @@ class Server:
             print(self.log.read_text(errors="replace")[-4000:], file=sys.stderr)
             raise
 
-    def generate(self, ids: list[int], new_tokens: int, ignore_eos: bool = True) -> dict:
-        return generate(self.url, ids, new_tokens, ignore_eos)
+    def generate(self, ids: list[int], new_tokens: int, ignore_eos: bool = True,
+                 stop: threading.Event | None = None) -> dict:
+        return generate(self.url, ids, new_tokens, ignore_eos, stop)
 
     def stop(self) -> None:
         stop_server(self.proc, 60)
 
 
-def generate(url: str, ids: list[int], new_tokens: int, ignore_eos: bool = True) -> dict:
+def generate(url: str, ids: list[int], new_tokens: int, ignore_eos: bool = True,
+             stop: threading.Event | None = None) -> dict:
     """One greedy request to SGLang's /generate, streamed and read as the replay's HTTP
     target reads it: the last chunk's JSON (the whole output and meta_info) with
     "arrivals", [(perf_counter seconds, completion tokens so far)] whenever the count grew,
-    so a closed loop can count the tokens made in any window of it."""
+    so a closed loop can count the tokens made in any window of it. stop: once set, the
+    request is being aborted (`timed_loop`): the stream's end or error then returns what
+    arrived (possibly nothing) instead of raising."""
     body = {"input_ids": ids, "stream": True,
             "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0,
                                 "ignore_eos": ignore_eos}}
@@ -183,13 +195,95 @@ def generate(url: str, ids: list[int], new_tokens: int, ignore_eos: bool = True)
     with urllib.request.urlopen(req, timeout=3600) as r:
         for raw in r:
             error = consume_sse_line(raw.decode(), time.perf_counter(), stream)
-            if error is not None:
+            if error is not None and not (stop is not None and stop.is_set()):
                 raise RuntimeError(f"{url}/generate: {error}")
-            if stream.done:
+            if stream.done or error is not None:
                 break
-    if not stream.chunk_s:
+    if not stream.chunk_s and not (stop is not None and stop.is_set()):
         raise RuntimeError(f"{url}/generate: the stream ended without a token")
     return {**stream.last, "arrivals": list(zip(stream.chunk_s, stream.chunk_tokens))}
+
+
+def abort_all(url: str) -> None:
+    """SGLang's /abort_request for every request the server holds."""
+    req = urllib.request.Request(url + "/abort_request", json.dumps({"abort_all": True}).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        r.read()
+
+
+def timed_window(requests: list[tuple[float, list[tuple[float, int]]]], concurrency: int,
+                 seconds: float) -> tuple[float, int]:
+    """(seconds, tokens) of a timed closed loop's window: from the moment every client's
+    first request had its first token (the loop's opening prefills, which all systems run
+    alike, left out) to `seconds` after the loop's start, when the clients stopped.
+
+    requests: per request (start, arrivals) in the order sent, times from the loop's start,
+    arrivals as `generate` returns them. A request's tokens count by the arrival times of
+    its stream (a chunk of several tokens counts whole when it arrives), so a loop's window
+    holds the tokens made at concurrency C with no drain in it: a request still running
+    at the end is cut there, not waited for."""
+    opening = [arr[0][0] for _, arr in requests[:concurrency] if arr]
+    if len(opening) < concurrency or max(opening) >= seconds:
+        raise RuntimeError(f"a timed loop of {seconds:g} s at concurrency {concurrency} "
+                           "ended before every client had its first token: make it longer")
+    begin = max(opening)
+
+    def upto(arr: list[tuple[float, int]], t: float) -> int:
+        return max((n for a, n in arr if a <= t), default=0)
+
+    tokens = sum(upto(arr, seconds) - upto(arr, begin) for _, arr in requests)
+    return seconds - begin, tokens
+
+
+def timed_loop(server: Server, prompts: list[list[int]], concurrency: int, seconds: float,
+               new_tokens: int, ignore_eos: bool = True, first: int = 0) -> dict:
+    """A closed loop of `concurrency` clients for `seconds` (prompts first, first + 1, ...
+    cyclically, each client sending its next when its answer arrives), then every request
+    still running aborted; its figures over `timed_window` (tok/s and steady tok/s alike;
+    `merge_loops`'s sums). Unlike `closed_loop` it never drains: a speculative server's
+    requests finish at different steps, and a loop of a few waves spends its last one at
+    less than its concurrency, for as long as the slowest request takes."""
+    t0 = time.perf_counter()
+    stop = threading.Event()
+    sent = itertools.count()
+    done: list[tuple[int, float, dict]] = []
+    failed: list[BaseException] = []
+
+    def client() -> None:
+        try:
+            while not stop.is_set() and time.perf_counter() - t0 < seconds:
+                i = next(sent)
+                start = time.perf_counter() - t0
+                out = server.generate(prompts[(first + i) % len(prompts)], new_tokens,
+                                      ignore_eos, stop)
+                done.append((i, start, out))
+        except BaseException as e:  # noqa: BLE001 - re-raised below, in the caller
+            failed.append(e)
+            stop.set()
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    stop.wait(max(0.0, seconds - (time.perf_counter() - t0)))
+    stop.set()
+    while any(t.is_alive() for t in threads):  # a request sent as the loop ended may
+        abort_all(server.url)                   # reach SGLang after an abort: again
+        for t in threads:
+            t.join(timeout=1.0)
+    if failed:
+        raise failed[0]
+    done.sort(key=lambda d: d[0])
+    metas = [o.get("meta_info", {}) for _, _, o in done]
+    steps = [k for m in metas for k in m.get("sloserve_draft_steps", [])]
+    window_s, tokens = timed_window(
+        [(start, [(t - t0, k) for t, k in o["arrivals"]]) for _, start, o in done],
+        concurrency, seconds)
+    return merge_loops([{
+        "wall": window_s, "requests": len(done), "tokens": tokens,
+        "steady_s": window_s, "steady_tokens": tokens,
+        "verify_ct": sum(m.get("spec_verify_ct", 0) for m in metas),
+        "draft_steps": len(steps), "drafted": sum(steps)}])
 
 
 def steady_window(requests: list[tuple[float, list[tuple[float, int]]]]) -> tuple[float, int]:
@@ -255,10 +349,13 @@ class Running:
     """One system's server, warmed up, and where its worker writes its timings lines."""
 
     def __init__(self, system: str, python: str, target: str, draft: str, logs: Path,
-                 port: int, k_max: int | None, timings: bool, start: int = 0) -> None:
+                 port: int, k_max: int | None, timings: bool, start: int = 0,
+                 seconds: float | None = None) -> None:
         """start: which start of this system in the run (0: the first; a restart appends to
-        the timings file and writes its own server log)."""
+        the timings file and writes its own server log); seconds: each slice a timed loop
+        of this long (`timed_loop`), else a counted one (`closed_loop`)."""
         self.system = system
+        self.seconds = seconds
         args = system_args(system, target, draft, k_max)
         self.timings_file = logs / f"{file_stem(system)}.timings.jsonl"
         self.timed = timings and ours(system)
@@ -289,7 +386,11 @@ class Running:
         lo, hi = part * n // parts, (part + 1) * n // parts
         if self.timed and part == 0:
             self.mark = _lines(self.timings_file)
-        r = closed_loop(self.server, prompts, c, hi - lo, new_tokens, ignore_eos, first=lo)
+        if self.seconds is not None:  # --seconds: a timed loop from the same first prompt
+            r = timed_loop(self.server, prompts, c, self.seconds, new_tokens, ignore_eos,
+                           first=lo)
+        else:
+            r = closed_loop(self.server, prompts, c, hi - lo, new_tokens, ignore_eos, first=lo)
         if self.timed and part == parts - 1:
             r["steps"] = step_breakdown(self.timings_file, self.mark)
         return r
@@ -299,7 +400,7 @@ def run_systems(systems: list[str], python: str, target: str, draft: str,
                 levels: list[int], repeats: int, new_tokens: int, prompts: list[list[int]],
                 logs: Path, port: int, k_max: int | None = None, ignore_eos: bool = True,
                 timings: bool = False, interleave: bool = False, restart: bool = False,
-                slices: int = 1,
+                slices: int = 1, seconds: float | None = None,
                 on_repeat: Callable[[dict[str, dict[int, list[dict]]]], None] | None = None,
                 ) -> dict[str, dict[int, list[dict]]]:
     """{system: {concurrency: [one result per repeat]}}. One server at a time, its repeats
@@ -343,7 +444,8 @@ def run_systems(systems: list[str], python: str, target: str, draft: str,
                 # memory its weights leave free, which servers loading beside it would take
                 for i, s in enumerate(group):
                     runs.append(Running(s, python, target, draft, logs, port + i, k_max,
-                                        timings, start=block[0] if restart else 0))
+                                        timings, start=block[0] if restart else 0,
+                                        seconds=seconds))
                     runs[-1].server.wait()
                 for run in runs:
                     run.warm(prompts, levels, new_tokens, ignore_eos, t0)
@@ -434,6 +536,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --interleave, cut each (repeat, level) loop into this many "
                         "slices (1-4) and measure the systems in turn at every slice: a "
                         "machine whose speed swings within minutes moves all alike")
+    p.add_argument("--seconds", type=float, default=None,
+                   help="time each cell's loop (each slice's, with --slices) instead of "
+                        "counting its requests: C clients for this many seconds, then the "
+                        "requests still running aborted; tok/s over the window after the "
+                        "opening prefills, no drain in it (a counted loop's last wave runs "
+                        "below C for as long as its slowest request, which a speculative "
+                        "server's spread of finishing steps lengthens)")
     p.add_argument("--port", type=int, default=31877,
                    help="the first system's port (interleaved: one port per system)")
     p.add_argument("--out", default="out/bench_sglang_specserve.json")
@@ -442,6 +551,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"argument --slices: {args.slices} is not in 1..4")
     if args.slices > 1 and not args.interleave:
         p.error("argument --slices: needs --interleave (the systems take turns per slice)")
+    if args.seconds is not None and not args.seconds >= 5:
+        p.error(f"argument --seconds: {args.seconds:g} is below 5 (a loop's opening prefills "
+                "must end well inside it)")
     levels = [int(x) for x in args.levels.split(",")]
     systems = args.systems.split(",")
     from sloserve.runtime.models.presets import resolve_pair
@@ -455,15 +567,18 @@ def main(argv: list[str] | None = None) -> int:
     python = sglang_python()
     logs = Path(args.out).parent / "sglang_specserve_logs"
     logs.mkdir(parents=True, exist_ok=True)
-    # measured on 2 cores: a server starts in 1-1.5 min on the Intel Xeon (AMX), 1-2.5 min on
-    # the AMD EPYC (AVX2; five starting at once: 11 min); a (system, level, repeat) cell takes
-    # 0.3 (built-in pair, C = 1) to 1.5 min (smollm2, C = 16) on the Xeon, 3x that on the EPYC
+    # measured on 2 cores: a smollm2 server starts (one after another) in 3-5.5 min on the
+    # Intel Xeons, 5-11 min on the AMD EPYC (AVX2); a counted (system, level, repeat) cell
+    # takes 0.3 (built-in pair, C = 1) to 1.5 min (smollm2, C = 16) on the Xeon, 3x that on
+    # the EPYC; a timed one its slices' seconds and ~5 s a slice of opening and aborting
     n, cells = len(systems), len(systems) * len(levels) * args.repeats
     n *= args.repeats if args.restart else 1  # server starts
+    lo, hi = ((0.3 * cells, 1.5 * cells) if args.seconds is None else
+              (cells * args.slices * (args.seconds + 3) / 60,) * 2)
     print(f"SGLang closed loop: {systems} at concurrency {levels}, {args.repeats} repeats, "
-          f"{args.new_tokens} tokens a request; about {n + 0.3 * cells:.0f}-"
-          f"{1.5 * n + 1.5 * cells:.0f} minutes on a 2-core Intel Xeon with AMX, up to 3x that "
-          f"on an AVX2-only CPU; a line after every repeat says how long is left (server logs "
+          f"{args.new_tokens} tokens a request; about {3 * n + lo:.0f}-"
+          f"{5.5 * n + hi * 1.2:.0f} minutes on a 2-core Intel Xeon, up to 2x that on an "
+          f"AVX2-only CPU; a line after every repeat says how long is left (server logs "
           f"in {logs})", flush=True)
     prompts, chat = bench_prompts(target, args.prompt_tokens, args.chat)
     print(f"prompts: 64 Spec-Bench questions, categories round-robin"
@@ -482,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
                           args.new_tokens, prompts, logs, args.port, args.k_max,
                           ignore_eos=not chat, timings=args.timings,
                           interleave=args.interleave, restart=args.restart,
-                          slices=args.slices, on_repeat=save)
+                          slices=args.slices, seconds=args.seconds, on_repeat=save)
     rows, summary, steady = [], {}, {}
     for c in levels:
         med = {s: statistics.median(r["tok_s"] for r in results[s][c]) for s in systems}

@@ -5,6 +5,7 @@ request SLO field, and the launch command `--engine sglang` builds."""
 from __future__ import annotations
 
 import json
+import time
 import types
 
 import numpy as np
@@ -274,7 +275,7 @@ def test_restart_starts_fresh_servers_for_every_repeat(monkeypatch, tmp_path, re
 
     class FakeRunning:
         def __init__(self, system, python, target, draft, logs, port, k_max, timings,
-                     start=0):
+                     start=0, seconds=None):
             self.system, self.server = system, FakeServer(system, start)
 
         def warm(self, *args) -> None:
@@ -556,3 +557,59 @@ def test_steady_window_ends_when_the_first_client_runs_out_of_work():
     assert steady_window([first, second, third]) == (10.0, 4 + 5 + 2)
     # one client: the window is the whole loop
     assert steady_window([(0.0, [(3.0, 8)]), (3.0, [(4.0, 2), (7.0, 8)])]) == (7.0, 16)
+
+
+def test_timed_window_leaves_out_the_opening_and_cuts_at_the_end():
+    """--seconds: two clients, a 10 s loop. The window opens when both first requests have
+    their first token (t = 2) and closes at 10; a request's tokens count by arrival, so the
+    first request's 1 token by t = 1 is left out and the third's after t = 10 too."""
+    from sloserve.bench.sglang_specserve import timed_window
+
+    first = (0.0, [(1.0, 1), (5.0, 3), (9.0, 4)])
+    second = (0.0, [(2.0, 2), (4.0, 5)])
+    third = (4.0, [(6.0, 1), (9.5, 2), (11.0, 5)])
+    fourth = (9.0, [])  # aborted before its first token
+    assert timed_window([first, second, third, fourth], 2, 10.0) == (8.0, (4 - 1) + (5 - 2) + 2)
+    with pytest.raises(RuntimeError, match="make it longer"):  # a client without a token
+        timed_window([first, fourth], 2, 10.0)
+
+
+def test_timed_loop_stops_sending_aborts_what_runs_and_counts_its_window(monkeypatch):
+    """timed_loop against a server that makes a token every 10 ms (64 a request) until
+    aborted: clients stop sending at the deadline, the server is told to abort, every client
+    returns, and the window's tokens are what streamed in it, by their arrival times."""
+    import threading as th
+
+    import sloserve.bench.sglang_specserve as bench
+
+    aborted = th.Event()
+    sent: list[float] = []
+    made: list[list[tuple[float, int]]] = []  # each request's arrivals, in the order sent
+
+    class TokenServer:
+        url = "http://fake"
+
+        def generate(self, ids, new_tokens, ignore_eos=True, stop=None):
+            sent.append(time.perf_counter())
+            arrivals: list[tuple[float, int]] = []
+            made.append(arrivals)
+            for k in range(1, new_tokens + 1):
+                if aborted.is_set() and stop is not None and stop.is_set():
+                    break
+                time.sleep(0.01)
+                arrivals.append((time.perf_counter(), k))
+            return {"meta_info": {"spec_verify_ct": len(arrivals)}, "arrivals": arrivals}
+
+    monkeypatch.setattr(bench, "abort_all", lambda url: aborted.set())
+    t0 = time.perf_counter()
+    r = bench.timed_loop(TokenServer(), [[1], [2]], 2, 1.5, 64)  # type: ignore[arg-type]
+    assert aborted.is_set() and max(sent) - t0 < 1.5  # nothing sent after the deadline
+    assert r["requests"] == len(sent) == len(made) >= 4  # >= 0.64 s a request, 2 clients
+    assert any(len(a) < 64 for a in made)  # the requests running at the end were cut
+    begin = max(made[0][0][0], made[1][0][0]) - t0  # both clients' first tokens
+    assert r["wall"] == pytest.approx(1.5 - begin, abs=1e-3)
+    # each request's tokens by arrival: those by the window's end less those by its start
+    counted = sum(max((k for t, k in a if t - t0 <= 1.5), default=0)
+                  - max((k for t, k in a if t - t0 <= begin), default=0) for a in made)
+    assert r["tokens"] == counted > 0
+    assert r["verify_ct"] == sum(len(a) for a in made)
