@@ -281,6 +281,7 @@ def timed_loop(server: Server, prompts: list[list[int]], concurrency: int, secon
         concurrency, seconds)
     return merge_loops([{
         "wall": window_s, "requests": len(done), "tokens": tokens,
+        "made": sum(o["arrivals"][-1][1] for _, _, o in done if o["arrivals"]),
         "steady_s": window_s, "steady_tokens": tokens,
         "verify_ct": sum(m.get("spec_verify_ct", 0) for m in metas),
         "draft_steps": len(steps), "drafted": sum(steps)}])
@@ -338,10 +339,13 @@ def merge_loops(parts: list[dict]) -> dict:
     likewise over the steady windows, tokens per verify and the mean draft steps a
     request's decode step drafted (None where nothing was verified or counted)."""
     out = {k: sum(p[k] for p in parts) for k in SUMS}
-    return {**out, "slices": len(parts),
+    # the tokens the verify count is of: a timed loop's are its requests' whole outputs, not
+    # the window's (`timed_loop`'s "made")
+    made = sum(p.get("made", p["tokens"]) for p in parts)
+    return {**out, "made": made, "slices": len(parts),
             "tok_s": out["tokens"] / out["wall"],
             "steady_tok_s": out["steady_tokens"] / out["steady_s"],
-            "accept_len": out["tokens"] / out["verify_ct"] if out["verify_ct"] else None,
+            "accept_len": made / out["verify_ct"] if out["verify_ct"] else None,
             "mean_k": out["drafted"] / out["draft_steps"] if out["draft_steps"] else None}
 
 

@@ -612,4 +612,6 @@ def test_timed_loop_stops_sending_aborts_what_runs_and_counts_its_window(monkeyp
     counted = sum(max((k for t, k in a if t - t0 <= 1.5), default=0)
                   - max((k for t, k in a if t - t0 <= begin), default=0) for a in made)
     assert r["tokens"] == counted > 0
-    assert r["verify_ct"] == sum(len(a) for a in made)
+    assert r["verify_ct"] == sum(len(a) for a in made)  # the fake verifies a token a step
+    assert r["accept_len"] == pytest.approx(1.0)  # of all tokens made, not the window's
+    assert bench.merge_loops([r, r])["accept_len"] == pytest.approx(1.0)  # a cell's slices
