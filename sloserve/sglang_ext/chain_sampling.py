@@ -17,6 +17,10 @@ batches that are not all greedy (docs/design.md sec. 7, the built-in engine's ru
               p_{k_r}
 so every emitted token follows the target's processed distribution p (greedy rows: its
 argmax) whatever k_r is.
+
+All-greedy batches keep SGLang's rule (commit the target's argmax while the draft matches
+it); `greedy_chains` applies it to a ragged verify's rows only, so the [B (s + 1), V] logits
+of the verify block need not exist (its trimmed rows were never computed).
 """
 
 from __future__ import annotations
@@ -67,3 +71,36 @@ def verify_chains(p: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor, k: lis
         accepted.append(len(emitted) - 1)
         final.append(int(emitted[-1]))
     return accepted, final
+
+
+def greedy_chains(target: torch.Tensor, rows: torch.Tensor, cand: torch.Tensor,
+                  k: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SGLang's greedy acceptance of topk-1 chains (verify_tree_greedy on chains) from the
+    verified rows alone. Shapes: B requests, n = s + 1 rows each in the verify block.
+
+    target: [T] int the target's argmax at `rows`; rows: [T] int64 flat rows of the [B, n]
+    block, request r's being r n .. r n + k_r (its bonus row and its k_r verified drafts' rows);
+    cand: [B, n] the block's tokens (the bonus token, then the s drafts); k: [B] int64 verify
+    lengths (<= s); depth: accept_index's width (SGLang's max_tree_depth).
+
+    m_r = the leading drafts that equal the target's argmax at the row before them, at most
+    k_r. Returns eagle_sample's triple: predict [B n] int32 (row r n + j for j <= m_r: the
+    target's token there, so the m_r accepted drafts then the token after them; 0 elsewhere),
+    accept_lens [B] int32 = m_r + 1, accept_index [B, depth] int32 (r n + j for j <= m_r, -1
+    after)."""
+    B, n = cand.shape
+    dev = cand.device
+    full = torch.full((B * n,), -1, dtype=torch.int64, device=dev)
+    full[rows] = target.to(torch.int64)
+    t = full.view(B, n)  # [B, n]; -1 at trimmed rows, which the cut below never reads
+    j = torch.arange(n, device=dev)
+    match = (cand[:, 1:].to(torch.int64) == t[:, :-1]) & (j[None, :-1] < k[:, None])  # [B, s]
+    m = match.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]
+    emitted = j[None, :] <= m[:, None]  # [B, n]
+    predict = torch.where(emitted, t, 0).to(torch.int32).reshape(-1)
+    flat = torch.arange(B, device=dev)[:, None] * n + j[None, :]  # [B, n]
+    index = torch.where(emitted, flat, -1).to(torch.int32)
+    accept_index = torch.full((B, depth), -1, dtype=torch.int32, device=dev)
+    w = min(depth, n)
+    accept_index[:, :w] = index[:, :w]
+    return predict, (m + 1).to(torch.int32), accept_index

@@ -83,6 +83,17 @@ def sampled_batch(batch: Any) -> bool:
             and si.logit_bias is None and not si.need_min_p_sampling)
 
 
+def compact_acceptance(batch: Any) -> bool:
+    """Whether a ragged verify's acceptance may read the verified rows' logits alone
+    (chain_sampling.greedy_chains): an all-greedy batch whose verify reads the logits for
+    nothing else (no grammar mask, penalties, logit bias, watermark or logprobs)."""
+    si = batch.sampling_info
+    return (si is not None and bool(si.is_all_greedy) and not batch.has_grammar
+            and not batch.return_logprob and si.acc_additive_penalties is None
+            and si.acc_scaling_penalties is None and si.logit_bias is None
+            and not getattr(si, "has_watermark_candidates", False))
+
+
 class AlignedDraft:
     """Replaces the EAGLE-layout methods of SGLang's standalone draft worker `dw`."""
 

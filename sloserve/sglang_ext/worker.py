@@ -29,6 +29,7 @@ draft steps in meta_info (`sloserve_draft_steps`, one entry per decode step).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -39,9 +40,14 @@ import numpy as np
 import torch
 
 from sloserve.sglang_ext import settings
-from sloserve.sglang_ext.chain_sampling import processed_probs, verify_chains
+from sloserve.sglang_ext.chain_sampling import greedy_chains, processed_probs, verify_chains
 from sloserve.sglang_ext.controller import SGLangStep, SGLangStepsPolicy, StepController
-from sloserve.sglang_ext.draft_chain import AlignedDraft, NgramDraft, sampled_batch
+from sloserve.sglang_ext.draft_chain import (
+    AlignedDraft,
+    NgramDraft,
+    compact_acceptance,
+    sampled_batch,
+)
 from sloserve.sglang_ext.sglang_internals import (
     AdaptiveController,
     ForwardMode,
@@ -287,6 +293,11 @@ class SpecServeWorker(StandaloneWorkerV2):  # type: ignore[misc]  # SGLang is un
         idx = keep.nonzero().squeeze(1)  # [sum(k_r + 1)] rows of the [bs * n] verify block
         tw = self.target_worker
         forward = tw.forward_batch_generation
+        # an all-greedy batch's acceptance reads only the verified rows (greedy_chains):
+        # the [bs * n, V] logits block (28 MB at bs 16, n 9, SmolLM2's vocabulary), its fill
+        # and SGLang's argmax over it are skipped; 11 ms -> 2.4 ms at bs 16, n 9 on the
+        # 2-core Xeon (BENCHMARKS.md, 2026-11-29). Anything that reads the whole block keeps it.
+        compact = compact_acceptance(batch)
 
         def ragged_forward(*fargs: Any, forward_batch: Any = None, **fkw: Any) -> Any:
             fb = forward_batch
@@ -298,6 +309,8 @@ class SpecServeWorker(StandaloneWorkerV2):  # type: ignore[misc]  # SGLang is un
                 fb.global_num_token_non_padded = torch.tensor(
                     int(idx.numel()), dtype=torch.int32, device=dev)
             out = forward(*fargs, forward_batch=fb, **fkw)
+            if compact:  # [sum(k_r + 1), V]: greedy_chains reads these rows alone
+                return out
             lo = out.logits_output
             logits = lo.next_token_logits
             full = logits.new_zeros((bs * n, logits.shape[-1]))
@@ -305,9 +318,16 @@ class SpecServeWorker(StandaloneWorkerV2):  # type: ignore[misc]  # SGLang is un
             lo.next_token_logits = full
             return out
 
+        def greedy(verify_input: Any, batch: Any, logits_output: Any, *a: Any,
+                   **kw: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            cand = verify_input.draft_token.reshape(bs, n)
+            return greedy_chains(logits_output.next_token_logits.argmax(dim=-1), idx, cand,
+                                 cut, int(verify_input.max_tree_depth))
+
         vi.ragged_verify_layout = layout
         try:
-            with swapped_target_forward(tw, ragged_forward):
+            with swapped_target_forward(tw, ragged_forward), \
+                    (swapped_eagle_sample(greedy) if compact else contextlib.nullcontext()):
                 return super().verify(batch, *args, **kwargs)
         finally:
             vi.ragged_verify_layout = None

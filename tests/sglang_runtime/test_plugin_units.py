@@ -615,3 +615,50 @@ def test_timed_loop_stops_sending_aborts_what_runs_and_counts_its_window(monkeyp
     assert r["verify_ct"] == sum(len(a) for a in made)  # the fake verifies a token a step
     assert r["accept_len"] == pytest.approx(1.0)  # of all tokens made, not the window's
     assert bench.merge_loops([r, r])["accept_len"] == pytest.approx(1.0)  # a cell's slices
+
+
+def _greedy_reference(logits, cand, k, depth):
+    """SGLang's greedy chain acceptance on the whole [B, n, V] block, one request at a time."""
+    import torch
+    B, n, _ = logits.shape
+    predict = torch.zeros(B * n, dtype=torch.int32)
+    index = torch.full((B, depth), -1, dtype=torch.int32)
+    lens = []
+    for r in range(B):
+        t = logits[r].argmax(dim=-1)
+        m = 0
+        while m < int(k[r]) and int(cand[r, m + 1]) == int(t[m]):
+            m += 1
+        for j in range(m + 1):
+            predict[r * n + j] = int(t[j])
+            index[r, j] = r * n + j
+        lens.append(m + 1)
+    return predict, torch.tensor(lens, dtype=torch.int32), index
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_greedy_chains_from_the_verified_rows_equal_the_whole_blocks_acceptance(seed):
+    """The ragged verify's compact acceptance (worker._ragged_verify, all-greedy batches):
+    from the logits of the k_r + 1 verified rows alone, the same predict / accept_lens /
+    accept_index as the greedy rule over the whole block, drafts cut at k_r included."""
+    import torch
+
+    from sloserve.sglang_ext.chain_sampling import greedy_chains
+    g = torch.Generator().manual_seed(seed)
+    B, n, V = 7, 5, 11
+    logits = torch.randn(B, n, V, generator=g)
+    t = logits.argmax(dim=-1)  # [B, n]
+    cand = torch.randint(0, V, (B, n), generator=g)
+    # drafts that match the target for a random prefix, so every m_r 0..s occurs
+    for r in range(B):
+        agree = int(torch.randint(0, n, (1,), generator=g))
+        cand[r, 1:agree + 1] = t[r, :agree]
+    k = torch.tensor([0, 4, 2, 4, 1, 3, 4])
+    keep = (torch.arange(n)[None, :] < (k + 1)[:, None]).reshape(-1)
+    rows = keep.nonzero().squeeze(1)
+    target = logits.reshape(B * n, V)[rows].argmax(dim=-1)
+    got = greedy_chains(target, rows, cand, k, depth=n)
+    want = _greedy_reference(logits, cand, k, n)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert int(got[1].max()) > 1 and int(got[1].min()) == 1  # some chains accepted, some not
