@@ -200,6 +200,52 @@ def test_extend_attention_one_row_requests_beside_longer_ones(causal, kv_passed)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
+def test_attention_plans_built_once_a_forward_never_go_stale():
+    """The index tensors and masks of a short extend or a decode are built once for the
+    layers of a forward (attention._PlanMemo): a later call must still see its own
+    metadata when the same tensor objects were changed in place (inference mode tracks no
+    versions), when a pool row now holds another request's slots, and when decode and
+    extend calls alternate."""
+    prefix_lens, ext_lens = [6, 0, 11, 3, 8], [1, 4, 1, 3, 1]
+    k_buf, v_buf, r2t, q, k_ext, v_ext, rpi, starts, seq_lens = _extend_case(prefix_lens,
+                                                                              ext_lens, seed=9)
+    ext, starts = torch.tensor(ext_lens), starts.long()  # int64: .long() keeps the objects
+
+    def extend_matches() -> None:
+        out = torch.full((q.shape[0], H, DV), float("nan"))
+        with torch.inference_mode():
+            cpu_ops.extend_attention(q, k_ext, v_ext, out, k_buf, v_buf, 1.0, 1.0, r2t, rpi,
+                                     seq_lens, ext, starts, int(ext.max()), 0.3, 0.0)
+        pre = (seq_lens - ext).tolist()
+        ref = _ref_extend(k_buf, v_buf, r2t, q, k_ext, v_ext, rpi, starts, pre, ext_lens,
+                          lambda b, i, j: j <= i, 0.3)
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+    def decode_matches(lens: torch.Tensor) -> None:
+        qd = q[: len(lens)]
+        out = torch.empty(len(lens), H, DV)
+        with torch.inference_mode():
+            cpu_ops.decode_attention(qd, k_buf, v_buf, 1.0, 1.0, out, None, None,
+                                     torch.zeros(len(lens), dtype=torch.long), torch.empty(0),
+                                     r2t, rpi[: len(lens)], lens, 0.3, 0.0)
+        for b, n in enumerate(lens.tolist()):
+            slots = r2t[rpi[b], :n].long()
+            ref = _ref_attention(qd[b : b + 1], k_buf[slots], v_buf[slots], [[True] * n], 0.3)
+            torch.testing.assert_close(out[b].double(), ref[0], atol=1e-5, rtol=1e-5)
+
+    extend_matches()
+    extend_matches()  # the same metadata: the plan is reused
+    seq_lens += 1  # the same tensor, the prefixes one longer
+    extend_matches()
+    r2t[rpi[2]] = torch.roll(r2t[rpi[2]], 5)  # another request in pool row rpi[2]
+    extend_matches()
+    lens = seq_lens[:3].clone()
+    decode_matches(lens)
+    lens[1] -= 2  # in place, between two decode calls
+    decode_matches(lens)
+    extend_matches()
+
+
 def test_extend_attention_tree_mask_qlen_only():
     """Target verify of a draft tree: each of the E draft tokens sees the whole prefix and the
     tree nodes the QLEN_ONLY mask [bs * E * E] allows."""
