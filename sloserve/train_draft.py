@@ -4,6 +4,7 @@
     python -m sloserve.train_draft --out DIR --phase eval                      # agreement only
     python -m sloserve.train_draft --out DIR --export                          # ship the weights
     python -m sloserve.train_draft --out DIR --phase eval-answers   # held-out answers only
+    python -m sloserve.train_draft --out DIR --phase hot-vocab      # the draft's hot vocabulary
     python -m sloserve.train_draft --write-prompts P.jsonl.gz --gsm8k G --german D --templated N
     python -m sloserve.train_draft --device cuda --prompts P.jsonl.gz ...      # on a GPU
 
@@ -411,6 +412,59 @@ def generate(job: Job, prompts: list[dict], path: Path, max_new: int, threads: i
         if tokens >= token_budget:
             break
     bar.close()
+
+
+HOT_NEW = 160  # tokens of each answer the hot vocabulary is counted on
+HOT_SIZES = (4096, 8192, 16384, 32768)  # sizes whose held-out coverage the card records
+
+
+def build_hot_vocab(job: Job, size: int, n_prompts: int, seed: int, threads: int) -> Path:
+    """The draft's hot vocabulary (FR-Spec's frequency-ranked draft head): the target's
+    greedy answers (HOT_NEW tokens) to the first n_prompts prompts of the training mix
+    without Spec-Bench's questions (OUT/hot_answers.jsonl, resumable); every tenth answer
+    held out, the rest counted; tokens ranked by their count in those answers, then in
+    their prompts, then by id; the top `size` written with the held-out answers' coverage
+    at several sizes into drafts/ (HOT_VOCAB), which smollm2_draft names in the draft's
+    config.json."""
+    from collections import Counter
+
+    from sloserve.runtime.models.config import load_config
+    from sloserve.runtime.models.presets import resolve_dir
+    from sloserve.runtime.models.smollm2_draft import HOT_VOCAB
+
+    prompts = [q for q in build_prompts(seed) if not q["id"].startswith("sb-")][:n_prompts]
+    path = job.out / "hot_answers.jsonl"
+    generate(job, prompts, path, HOT_NEW, threads, n_prompts * HOT_NEW, sample_every=0)
+    recs = read_answers(path)
+    held = [r for i, r in enumerate(recs) if i % 10 == 9]
+    counted = [r for i, r in enumerate(recs) if i % 10 != 9]
+    answers = Counter(t for r in counted for t in r["output_ids"])
+    in_prompts = Counter(t for r in counted for t in r["prompt_ids"])
+    vocab = load_config(resolve_dir("smollm2")).vocab_size
+    ranked = sorted(range(vocab), key=lambda t: (-answers[t], -in_prompts[t], t))
+    held_tokens = [t for r in held for t in r["output_ids"]]
+
+    def coverage(n: int) -> float:
+        top = set(ranked[:n])
+        return round(sum(t in top for t in held_tokens) / max(1, len(held_tokens)), 4)
+
+    card = {"tokens": sorted(ranked[:size]), "size": size,
+            "held_out_coverage": {str(n): coverage(n) for n in sorted({*HOT_SIZES, size})},
+            "answers": {"counted": len(counted), "held_out": len(held),
+                        "answer_tokens": sum(answers.values()),
+                        "held_out_tokens": len(held_tokens)},
+            "recipe": f"python -m sloserve.train_draft --phase hot-vocab --hot-size {size} "
+                      f"--hot-prompts {n_prompts} --seed {seed}: the target's greedy answers "
+                      f"({HOT_NEW} new tokens, sloserve's engine) to the first {n_prompts} "
+                      "prompts of build_prompts(seed) without Spec-Bench's questions; every "
+                      "tenth answer held out for the coverage, the rest counted; ranked by "
+                      "count in the answers, then in their prompts, then by token id"}
+    HOT_VOCAB.write_text(json.dumps(card, separators=(",", ":")) + "\n")
+    job.update(phase="done", hot_vocab=str(HOT_VOCAB), size=size,
+               held_out_coverage=card["held_out_coverage"])
+    log.info("hot vocabulary of %d tokens in %s; held-out coverage %s", size, HOT_VOCAB,
+             card["held_out_coverage"])
+    return HOT_VOCAB
 
 
 def hash_id(s: str) -> int:
@@ -1257,9 +1311,16 @@ def main(argv: list[str] | None = None) -> int:
                                 description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=cache_root() / "train-draft" / "run1",
                    help="the job's folder: status.json, log.txt, answers, checkpoint")
-    p.add_argument("--phase", choices=("all", "generate", "distil", "eval", "eval-answers"),
+    p.add_argument("--phase", choices=("all", "generate", "distil", "eval", "eval-answers",
+                                        "hot-vocab"),
                    default="all", help="eval-answers: only (re)write OUT/eval_answers.jsonl, "
-                   "the target's greedy answers to the held-out questions")
+                   "the target's greedy answers to the held-out questions; hot-vocab: the "
+                   "draft's hot vocabulary (--hot-size tokens) into "
+                   "sloserve/runtime/models/drafts/")
+    p.add_argument("--hot-size", type=int, default=16384,
+                   help="hot-vocab: tokens the draft's LM head keeps")
+    p.add_argument("--hot-prompts", type=int, default=600,
+                   help="hot-vocab: prompts of the mix (Spec-Bench's left out) answered")
     p.add_argument("--export", action="store_true",
                    help="write the checkpoint's draft into sloserve/runtime/models/drafts/")
     p.add_argument("--seed", type=int, default=0)
@@ -1354,6 +1415,11 @@ def main(argv: list[str] | None = None) -> int:
         run_accelerated(job, target_dir, args)
         return 0
     args.layers = int(args.layers)
+    if args.phase == "hot-vocab":
+        if not 1 <= args.hot_size:
+            p.error(f"argument --hot-size: {args.hot_size} is not positive")
+        build_hot_vocab(job, args.hot_size, args.hot_prompts, args.seed, args.threads)
+        return 0
     if args.phase == "eval-answers":
         generate(job, eval_prompts(), job.out / "eval_answers.jsonl", EVAL_NEW, args.threads,
                  10**9, sample_every=0, max_prompt=EVAL_PROMPT)

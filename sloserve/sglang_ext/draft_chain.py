@@ -117,6 +117,10 @@ class AlignedDraft:
         self.caught_up_tokens = 0  # positions read by catch-up extends (tests, logs)
         # chain_topology's rows for batches wider than SGLang's preallocated ones
         self._wide: tuple[torch.Tensor, torch.Tensor] | None = None
+        # [N] int64 token ids of the draft head's rows when it is cut to a hot vocabulary
+        # (use_hot_vocab); None: the full head, row i = token i
+        self.hot: torch.Tensor | None = None
+        self.vocab_size = 0  # the full vocabulary V (set with `hot`)
 
     @property
     def book(self) -> DraftKVBook:
@@ -141,6 +145,37 @@ class AlignedDraft:
     def install(self) -> None:
         replace_methods(self.dw, _draft_extend_for_prefill=self.prefill_extend,
                         draft=self.draft, _draft_extend_for_decode=self.decode_extend)
+
+    def use_hot_vocab(self, hot: torch.Tensor) -> bool:
+        """Cut the draft's LM head to the rows of `hot` ([N] int64 token ids, the draft's
+        most frequent answer tokens): each draft forward's head then reads N rows of the
+        [V, H] matrix instead of V (SmolLM2: 49,152 x 576 in float32 is 113 MB, two thirds
+        of its 4-layer draft's bytes at batch 1). The draft proposes only hot tokens; the
+        target verifies as ever, so greedy output is unchanged and sampling keeps the
+        target's distribution (q is the cut head's, zero off the hot set). Its input
+        embedding stays whole. False (nothing changed) for a head SGLang packed for AMX
+        kernels, whose rows are not the weight's rows."""
+        model = self.dw.draft_runner.model
+        head = model.lm_head
+        if getattr(head, "use_intel_amx_backend", False) or not hasattr(head, "weight"):
+            return False
+        weight = head.weight.detach()
+        self.vocab_size = int(weight.shape[0])
+        hot = hot.to(device=weight.device, dtype=torch.int64)
+        if hot.ndim != 1 or not len(hot) or int(hot.min()) < 0 \
+                or int(hot.max()) >= self.vocab_size:
+            raise ValueError(f"hot vocabulary: token ids outside [0, {self.vocab_size})")
+        model.lm_head = _RowsHead(weight.index_select(0, hot).contiguous())
+        self.hot = hot
+        return True
+
+    def _full_vocab(self, q: torch.Tensor) -> torch.Tensor:
+        """q [bs, N] over the hot rows -> [bs, V] (zero off the hot set); as is when the
+        head is whole."""
+        if self.hot is None:
+            return q
+        full = q.new_zeros((q.shape[0], self.vocab_size))
+        return full.index_copy_(1, self.hot, q)
 
     # ----- prefill: nothing is read now; the first round that drafts reads the prompt
     def prefill_extend(self, batch: Any, target_hidden_states: Any, next_token_ids: torch.Tensor,
@@ -287,18 +322,20 @@ class AlignedDraft:
                 with forward_context(ForwardContext(attn_backend=backend.attn_backends[i]),
                                      forward_batch=fb):
                     logits = dw.draft_runner.forward(fb).logits_output.next_token_logits
-            # logits [bs, V]
+            # logits [bs, V], or [bs, N] over the hot vocabulary (use_hot_vocab)
             conf: torch.Tensor | None
             if sampled:
                 tokens, conf, q = draft_pick(logits, si.temperatures.reshape(-1), si.top_ks,
                                              si.top_ps)
-                qs.append(q)
+                qs.append(self._full_vocab(q))
             elif want_conf:  # p(argmax) = exp(max - logsumexp): no [bs, V] softmax
                 top, tokens = logits.max(dim=-1)  # [bs] each
                 conf = torch.exp(top.float() - torch.logsumexp(logits.float(), dim=-1))
             else:
                 tokens = logits.argmax(dim=-1)  # [bs]
                 conf = None
+            if self.hot is not None:  # the head's rows -> token ids
+                tokens = self.hot[tokens]
             drafts.append(tokens)
             if conf is not None:
                 confs.append(conf)
@@ -402,6 +439,15 @@ class NgramDraft(AlignedDraft):
         nxt = batch_result.next_draft_input
         stub = self._next_input(len(batch.seq_lens), nxt.bonus_tokens)
         nxt.topk_p, nxt.topk_index, nxt.hidden_states = stub.topk_p, stub.topk_index, None
+
+
+class _RowsHead(torch.nn.Module):
+    """A draft LM head cut to some rows of the whole one: SGLang's logits processor reads
+    its `weight` [N, H] as a plain linear layer's."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
 
 
 def _rows(batch: Any) -> list[int]:

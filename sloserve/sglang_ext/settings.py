@@ -155,12 +155,15 @@ def load_cost(target_path: str, draft_path: str, device: str, dtype: str,
         profile = find_sglang_profile(target_path, draft_path, device, dtype, explicit)
     if profile is not None:
         return profile.cost_model(), profile.calibration
-    from sloserve.runtime.models.config import load_config
+    from sloserve.runtime.models.config import hot_vocab, load_config
 
     log.warning("SPECSERVE: no cost profile of SGLang's forwards for this pair and device; "
                 "starting from a rough estimate (python -m sloserve.profiler --engine sglang "
                 "measures one)")
     draft_cfg = load_config(draft_path) if drafter == "model" else None
+    hot = hot_vocab(draft_path) if draft_cfg is not None else None
+    if draft_cfg is not None and hot is not None:  # its head cut to the hot vocabulary
+        draft_cfg = replace(draft_cfg, vocab_size=len(hot))
     rough = rough_cost(load_config(target_path), draft_cfg)
     # SGLang's verify path costs more than its decode path (docs/design.md sec. 2); a prior
     # the online correction fits from the first verify steps on (estimator/online_cost.py)

@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from sloserve.runtime.models.config import hot_vocab
 from sloserve.sglang_ext import settings
 from sloserve.sglang_ext.chain_sampling import greedy_chains, processed_probs, verify_chains
 from sloserve.sglang_ext.controller import SGLangStep, SGLangStepsPolicy, StepController
@@ -137,6 +138,14 @@ class SpecServeWorker(StandaloneWorkerV2):  # type: ignore[misc]  # SGLang is un
                                        if self.per_request and not self.lookup_first else None),
                              on_stop=self._rounds_done, on_catch_up=self._caught_up)
         self.aligned.install()
+        hot = hot_vocab(draft_path) if cfg.drafter == "model" else None
+        if hot is not None:
+            if self.aligned.use_hot_vocab(torch.as_tensor(hot)):
+                logger.info("SPECSERVE: the draft's LM head cut to its %d hot tokens (%s)",
+                            len(hot), draft_path)
+            else:
+                logger.warning("SPECSERVE: the draft's LM head is packed for AMX kernels: "
+                               "its hot vocabulary is not used")
         self.test_accept_all = cfg.test_accept_all
         dw.draft = _timed(dw.draft, lambda st, t: st.add_times(draft=t), dev)
         dw._draft_extend_for_decode = _timed(dw._draft_extend_for_decode,

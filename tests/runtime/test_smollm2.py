@@ -252,3 +252,42 @@ def test_each_engine_drafts_with_what_measured_better():
     assert preset_has_draft("smollm2")
     target, draft = resolve_pair("smollm2", None, "model")
     assert draft is not None and Path(draft, "config.json").is_file()
+
+
+def test_the_draft_directory_names_its_hot_vocabulary():
+    """The assembled draft names the shipped hot vocabulary in its config.json (the SGLang
+    worker cuts the draft's LM head to it): the card's tokens, each once, the answers' end
+    token among them, far fewer than the vocabulary and covering most held-out answer
+    tokens."""
+    import json
+
+    from sloserve.runtime.models.config import hot_vocab, load_config
+    from sloserve.runtime.models.presets import resolve_pair
+    from sloserve.runtime.models.smollm2_draft import HOT_VOCAB
+
+    target, draft = resolve_pair("smollm2", None, "model")
+    assert draft is not None
+    card = json.loads(HOT_VOCAB.read_text())
+    hot = hot_vocab(draft)
+    assert hot == sorted(set(card["tokens"])) and len(hot) == card["size"]
+    cfg = load_config(target)
+    assert len(hot) < cfg.vocab_size // 2
+    assert all(t in hot for t in cfg.eos_token_ids)
+    assert card["held_out_coverage"][str(card["size"])] > 0.95
+    assert hot_vocab(target) is None  # the target's own head stays whole
+
+
+def test_a_bad_hot_vocabulary_is_an_error_naming_it(tmp_path):
+    import json
+
+    from sloserve.runtime.models.config import HOT_VOCAB_KEY, ModelLoadError, hot_vocab
+
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 10,
+                                                      HOT_VOCAB_KEY: "hot.json"}))
+    with pytest.raises(ModelLoadError, match="hot.json"):
+        hot_vocab(tmp_path)  # missing
+    (tmp_path / "hot.json").write_text(json.dumps({"tokens": [1, 10]}))
+    with pytest.raises(ModelLoadError, match=r"\[0, 10\)"):
+        hot_vocab(tmp_path)  # outside the vocabulary
+    (tmp_path / "hot.json").write_text(json.dumps({"tokens": [3, 1, 3]}))
+    assert hot_vocab(tmp_path) == [1, 3]

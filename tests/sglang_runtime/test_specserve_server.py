@@ -13,20 +13,42 @@ import json
 import threading
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
 
+from sloserve.runtime.models.config import HOT_VOCAB_KEY
 from tests.sglang_runtime.launched import TINY_PROFILE, ServerQueue, post
 
 pytestmark = pytest.mark.timeout(2400)
 
 MAX_NEW = 32
+HOT: set[int] = set()  # the "selfhot" server's hot vocabulary (set by the fixture)
+
+def _hot_copy(model_dir: str, out: Path) -> set[int]:
+    """`out`: the model directory with a hot vocabulary of its even token ids (its files
+    linked, config.json naming hot_vocab.json); returns that vocabulary."""
+    src = Path(model_dir)
+    out.mkdir()
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (out / f.name).symlink_to(f.resolve())
+    cfg = json.loads((src / "config.json").read_text())
+    hot = list(range(0, int(cfg["vocab_size"]), 2))
+    cfg[HOT_VOCAB_KEY] = "hot_vocab.json"
+    (out / "config.json").write_text(json.dumps(cfg))
+    (out / "hot_vocab.json").write_text(json.dumps({"tokens": hot}))
+    return set(hot)
+
 
 @pytest.fixture(scope="module")
 def launched(sglang_python, tiny_sglang_pair, tiny_plain, tmp_path_factory):
     target, draft = tiny_sglang_pair
     logs = tmp_path_factory.mktemp("specserve_logs")
+    hot_dir = tmp_path_factory.mktemp("hot") / "target-hot"
+    HOT.clear()
+    HOT.update(_hot_copy(target, hot_dir))
     pair = ["--model-path", target, "--draft-model-path", draft]
     specs = {
         # on this random pair plain steps (no draft forward at all) beat drafting; the SLO
@@ -46,6 +68,10 @@ def launched(sglang_python, tiny_sglang_pair, tiny_plain, tmp_path_factory):
                         "--spec-profile", str(TINY_PROFILE)], {}),
         "self": (["--model-path", target, "--draft-model-path", target, "--k-max", "4",
                   "--spec-policy", "specserve", "--spec-profile", str(TINY_PROFILE)], {}),
+        # draft = target with its LM head cut to the even token ids (draft_chain.py
+        # use_hot_vocab): it proposes the target's token wherever that is even
+        "selfhot": (["--model-path", target, "--draft-model-path", str(hot_dir), "--k-max",
+                     "4", "--spec-policy", "fixed:3", "--spec-profile", str(TINY_PROFILE)], {}),
         # draft = target; batches of 3 or more draft nothing (a batch-size table)
         "selfskip": (["--model-path", target, "--draft-model-path", target, "--k-max", "4",
                       "--spec-policy", "lut:2=3", "--spec-profile", str(TINY_PROFILE)], {}),
@@ -236,6 +262,35 @@ def test_draft_equal_to_target_is_always_accepted(launched):
     proposed = sum(sum(m["sloserve_draft_steps"]) for m in metas)
     correct = sum(m["spec_num_correct_drafts"] for m in metas)
     assert proposed > 100 and correct / proposed >= 0.99
+
+
+def test_a_draft_cut_to_a_hot_vocabulary_proposes_its_tokens_alone(launched):
+    """draft = target, its LM head cut to the even token ids: a draft is the target's own
+    token exactly where that token is even, so the accepted drafts follow from the output
+    (walking each step's 3 drafts along it: accepted while the next token is even), and
+    greedy output stays plain decoding's. A head left whole accepts every draft; a cut head
+    whose rows are not mapped back to token ids accepts next to none."""
+    server, plain = launched("selfhot"), launched("plain")
+    prompts = _prompts(6, seed=41)
+    got = [_gen(server, p) for p in prompts]
+    assert [g["output_ids"] for g in got] == [_gen(plain, p)["output_ids"] for p in prompts]
+    proposed = predicted = correct = 0
+    for g in got:
+        out, steps = g["output_ids"], g["meta_info"]["sloserve_draft_steps"]
+        pos = 0  # out[pos] is the step's bonus token (out[0]: the prefill's)
+        for k in steps:
+            m = 0
+            while m < k and pos + 1 + m < len(out) and out[pos + 1 + m] in HOT:
+                m += 1
+            predicted += m
+            proposed += k
+            pos += m + 1
+        correct += g["meta_info"]["spec_num_correct_drafts"]
+    assert proposed > 100
+    # (a last step may accept drafts past max_new_tokens that the output does not show; a
+    # near-tie may round apart in the cut head's matmul)
+    assert predicted - 3 <= correct <= predicted + 3 * len(got), (predicted, correct, proposed)
+    assert 0.05 < correct / proposed < 0.95, (correct, proposed)
 
 
 def test_steps_without_drafting_leave_the_draft_aligned(launched):

@@ -127,3 +127,29 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{cfg_file} is not valid JSON: {e}") from None
     return parse_config(raw, name=path.name)
+
+
+# config.json key of a draft directory whose LM head may be cut to a hot vocabulary: the
+# name of a JSON file in that directory holding the token ids ({"tokens": [...]}); the
+# token ids a draft proposes from, its most frequent answer tokens (FR-Spec's idea)
+HOT_VOCAB_KEY = "sloserve_hot_vocab"
+
+
+def hot_vocab(model_dir: str | Path) -> list[int] | None:
+    """The draft directory's hot vocabulary (sorted token ids), None when it has none.
+    ModelLoadError for a named file that is missing or not a list of token ids within the
+    vocabulary."""
+    d = Path(model_dir)
+    raw = json.loads((d / "config.json").read_text())
+    name = raw.get(HOT_VOCAB_KEY)
+    if not name:
+        return None
+    path = d / str(name)
+    try:
+        tokens = json.loads(path.read_text())["tokens"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"{d}: {HOT_VOCAB_KEY} names {name!r}, unreadable: {e}") from None
+    vocab = int(raw["vocab_size"])
+    if not tokens or not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
+        raise ModelLoadError(f"{path}: not a list of token ids in [0, {vocab})")
+    return sorted(set(tokens))

@@ -24,6 +24,10 @@ log = logging.getLogger(__name__)
 DRAFTS_DIR = Path(__file__).resolve().parent / "drafts"
 WEIGHTS = DRAFTS_DIR / "smollm2-draft.safetensors"
 CARD = DRAFTS_DIR / "smollm2-draft.json"
+# the draft's hot vocabulary (runtime/models/config.py HOT_VOCAB_KEY): the token ids its LM
+# head is cut to inside SGLang (sglang_ext/draft_chain.AlignedDraft.use_hot_vocab); made by
+# `python -m sloserve.train_draft --phase hot-vocab`
+HOT_VOCAB = DRAFTS_DIR / "smollm2-draft-hot-vocab.json"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "chat_template.jinja", "generation_config.json")
 
@@ -77,13 +81,16 @@ def draft_config(target_cfg: dict, layers: int) -> dict:
     return cfg
 
 
-def write_draft_dir(out: Path, target_dir: Path, draft_state: dict, layers: int) -> None:
+def write_draft_dir(out: Path, target_dir: Path, draft_state: dict, layers: int,
+                    hot_vocab: Path | None = None) -> None:
     """An HF directory at `out` (must not exist): the draft's own tensors (`draft_state`,
-    HF names, torch tensors) plus the target's embedding and tokenizer files."""
+    HF names, torch tensors) plus the target's embedding and tokenizer files; with
+    `hot_vocab` (a JSON file {"tokens": [...]}) that file too, named in config.json."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    from sloserve.runtime.models.config import HOT_VOCAB_KEY
     from sloserve.runtime.models.smollm2 import _write_manifest
 
     target_cfg = json.loads((target_dir / "config.json").read_text())
@@ -93,7 +100,11 @@ def write_draft_dir(out: Path, target_dir: Path, draft_state: dict, layers: int)
     state["model.embed_tokens.weight"] = embed
     out.mkdir(parents=True)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(draft_config(target_cfg, layers), indent=2))
+    cfg = draft_config(target_cfg, layers)
+    if hot_vocab is not None:
+        shutil.copy(hot_vocab, out / "hot_vocab.json")
+        cfg[HOT_VOCAB_KEY] = "hot_vocab.json"
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
     for name in _TOKENIZER_FILES:
         if (target_dir / name).is_file():
             shutil.copy(target_dir / name, out / name)
@@ -109,7 +120,10 @@ def ensure_draft(root: Path, target_dir: Path) -> Path:
     weights = shipped_draft()
     if weights is None:
         raise FileNotFoundError(f"no shipped draft at {WEIGHTS}")
+    hot = HOT_VOCAB if HOT_VOCAB.is_file() else None
     key = file_sha256(weights)[:12]
+    if hot is not None:  # another head, another directory (and another cost profile)
+        key = f"{key}-hot{file_sha256(hot)[:6]}"
     out = root / f"draft-{key}"
     if out.is_dir():
         problem = cache_problem(out)
@@ -122,7 +136,7 @@ def ensure_draft(root: Path, target_dir: Path) -> Path:
     t0 = time.perf_counter()
     try:
         write_draft_dir(staging / "draft", target_dir, unpack_weights(load_file(str(weights))),
-                        int(card["num_hidden_layers"]))
+                        int(card["num_hidden_layers"]), hot)
         try:
             os.rename(staging / "draft", out)
         except OSError:
