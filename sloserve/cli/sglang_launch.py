@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "trim: one draft length per batch, each request's verify trimmed "
                         "from the draft's confidences. With --drafter ngram per-request and "
                         "trim look the whole chain up first and verify each request's own "
-                        "length. Default: per-request with --drafter ngram, else uniform")
+                        "length. Default: per-request")
     p.add_argument("--spec-profile", default=None,
                    help="a profile of SGLang's forwards to use instead of the lookup; none: "
                         "no profile (the estimate from the models' shapes, corrected online)")

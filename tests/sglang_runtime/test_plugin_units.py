@@ -380,13 +380,15 @@ def test_slices_take_turns_and_cover_the_cells_requests_once(monkeypatch, tmp_pa
         assert all(r["slices"] == 3 for c in (1, 4) for r in out[s][c])
 
 
-def test_prompt_lookup_verifies_per_request_lengths_by_default(monkeypatch):
-    """--spec-lengths defaults by drafter: per-request with prompt lookup (its chain is
-    looked up whole, each request verifies its own length), uniform with a draft model; an
-    explicit mode wins."""
+def test_requests_verify_their_own_lengths_by_default(monkeypatch):
+    """--spec-lengths defaults to per-request with either drafter (prompt lookup: its chain
+    looked up whole; a draft model: the plan stops drafting round by round); an explicit
+    mode wins."""
     monkeypatch.setattr("sloserve.cli.sglang_launch.cuda_available", lambda: False)
-    for extra, want in ((["--drafter", "ngram"], "per-request"), ([], "uniform"),
-                        (["--drafter", "ngram", "--spec-lengths", "uniform"], "uniform")):
+    for extra, want in ((["--drafter", "ngram"], "per-request"), ([], "per-request"),
+                        (["--drafter", "model"], "per-request"),
+                        (["--drafter", "ngram", "--spec-lengths", "uniform"], "uniform"),
+                        (["--spec-lengths", "uniform"], "uniform")):
         _, env = sglang_args(["--spec-policy", "specserve", *extra])
         assert settings.WorkerConfig.from_json(env[settings.ENV_CONFIG]).lengths == want
 
