@@ -34,6 +34,10 @@ CPU engine's flags added on machines without CUDA), float32, the same model pair
     standalone:N  SGLang's STANDALONE with N draft steps (any N)
     SYSTEM/no-profile  a SPECSERVE system without its cost profile (--spec-profile none:
                   the estimate from the models' shapes, corrected online)
+    SYSTEM/row    any system (the suffix last) with SGLang's own row-major float32 weights on a CPU
+                  (SLOSERVE_CPU_WEIGHTS=row; sloserve's plugin stores them column-major by
+                  default, sloserve/sglang_ext/cpu_weights.py); SPECSERVE then reads the
+                  profile measured that way
 
 SGLang's own adaptive speculation (`--speculative-adaptive`) applies only to EAGLE/EAGLE3
 in 0.5.23 (speculative/adaptive_spec_params.py: adaptive_unsupported_reason); with
@@ -89,6 +93,7 @@ from pathlib import Path
 from sloserve.bench.common import bench_prompts, machine_info, print_table, write_json
 from sloserve.replay.http_target import SSEStream, consume_sse_line
 from sloserve.sglang_cpu.cpu_server import stop_server, wait_ready
+from sloserve.sglang_ext.cpu_weights import LAYOUT_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 SYSTEMS = ("plain", "standalone:1", "standalone:3", "specserve", "specserve:per-request")
@@ -116,9 +121,17 @@ def ours(system: str) -> bool:
     return system.startswith(("specserve", "sloserve"))
 
 
+def system_env(system: str) -> dict[str, str]:
+    """The environment one system's server adds: `SYSTEM/row`: SGLang's row-major weights."""
+    return {LAYOUT_ENV: "row"} if system.endswith("/row") else {}
+
+
 def system_args(system: str, target: str, draft: str, k_max: int | None = None) -> list[str]:
     """`python -m sloserve.launch --engine sglang` options of one system. `SYSTEM/no-profile`:
-    without a cost profile; `SYSTEM@DIR`: with the draft model in DIR instead of `draft`."""
+    without a cost profile; `SYSTEM@DIR`: with the draft model in DIR instead of `draft`;
+    `SYSTEM/row`: the options of SYSTEM (the layout is `system_env`'s)."""
+    if system.endswith("/row"):
+        return system_args(system.removesuffix("/row"), target, draft, k_max)
     if system.endswith("/no-profile"):  # a SPECSERVE system as on the pair's first start
         return system_args(system.removesuffix("/no-profile"), target, draft, k_max) + [
             "--spec-profile", "none"]
@@ -368,7 +381,7 @@ class Running:
                 self.timings_file.unlink(missing_ok=True)
             args += ["--spec-timings", str(self.timings_file.resolve())]
         log = f"{file_stem(system)}{f'.start{start + 1}' if start else ''}.log"
-        self.server = Server(python, args, port, logs / log)
+        self.server = Server(python, args, port, logs / log, extra_env=system_env(system))
         self.mark = 0  # the timings lines before the cell being measured
 
     def warm(self, prompts: list[list[int]], levels: list[int], new_tokens: int,

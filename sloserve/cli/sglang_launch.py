@@ -42,6 +42,7 @@ from sloserve.sglang_cpu.cpu_server import (
     server_env,
 )
 from sloserve.sglang_ext import settings
+from sloserve.sglang_ext.cpu_weights import layout_from_env
 from sloserve.sglang_ext.guard_limits import GuardLimits
 from sloserve.spec_config import DEFAULTS, SpeculationConfig
 from sloserve.units import duration
@@ -137,6 +138,10 @@ def sglang_args(argv: Sequence[str], bind: tuple[str, int] | None = None
             parser.error(f"argument --{name.replace('_', '-')}: must be >= 1")
     if args.max_top_logprobs_num < 0:
         parser.error("argument --max-top-logprobs-num: must be >= 0")
+    try:  # read again by the plugin in each SGLang process, which could only log it
+        layout_from_env()
+    except ValueError as e:
+        parser.error(str(e))
     if bind is not None:
         args.host, args.port = bind
     try:

@@ -42,6 +42,11 @@ def register() -> None:
     from sloserve.sglang_ext import sglang_internals as sgl
 
     if running_sglang_cpu_engine():
+        from sloserve.sglang_ext.cpu_weights import layout_from_env, relayout_linear_weights
+
         sgl.keep_intel_amx_backend()
-        logger.info("sloserve plugin: SGLang CPU engine fixes applied (intel_amx kept)")
+        if layout_from_env() == "column":
+            sgl.install_weight_relayout(relayout_linear_weights)
+        logger.info("sloserve plugin: SGLang CPU engine fixes applied (intel_amx kept, "
+                    "float32 linear weights %s-major)", layout_from_env())
     sgl.register_specserve(_worker_class, _streamer_class)

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from sloserve.sglang_ext.chain_sampling import draft_pick
+from sloserve.sglang_ext.cpu_weights import column_major, is_column_major
 from sloserve.sglang_ext.draft_kv import DraftKVBook
 from sloserve.sglang_ext.ngram_chain import NgramChains
 from sloserve.sglang_ext.sglang_internals import (
@@ -165,7 +166,9 @@ class AlignedDraft:
         if hot.ndim != 1 or not len(hot) or int(hot.min()) < 0 \
                 or int(hot.max()) >= self.vocab_size:
             raise ValueError(f"hot vocabulary: token ids outside [0, {self.vocab_size})")
-        model.lm_head = _RowsHead(weight.index_select(0, hot).contiguous())
+        rows = weight.index_select(0, hot)  # [N, H], in the whole head's memory order
+        model.lm_head = _RowsHead(column_major(rows) if is_column_major(weight)
+                                  else rows.contiguous())
         self.hot = hot
         return True
 

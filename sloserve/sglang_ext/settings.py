@@ -25,6 +25,7 @@ from sloserve.estimator.profile_file import Profile, find_profile, model_key, re
 from sloserve.estimator.profile_lookup import default_dirs, device_key, fingerprint
 from sloserve.policies.registry import make_policy
 from sloserve.sglang_ext.controller import StepController
+from sloserve.sglang_ext.cpu_weights import layout_from_env
 from sloserve.spec_config import SpeculationConfig
 
 log = logging.getLogger(__name__)
@@ -118,7 +119,13 @@ def worker_config() -> WorkerConfig:
 
 
 def sglang_device_key(device: str) -> str:
-    return f"sglang-{device_key(device)}"
+    """The device part of an SGLang profile's key. On a CPU the plugin stores float32 linear
+    weights column-major by default (cpu_weights.py), which changes every forward's cost:
+    "-wcol" then; a profile measured with SGLang's row-major weights keeps the plain key."""
+    key = f"sglang-{device_key(device)}"
+    if device.startswith("cpu") and layout_from_env() == "column":
+        key += "-wcol"
+    return key
 
 
 def find_sglang_profile(target_path: str, draft_path: str | None, device: str,

@@ -13,6 +13,8 @@ here. Every patch is idempotent and names what it replaces.
 Patches, in the order they are applied (each independent of the others' order):
 
     keep_intel_amx_backend        the platform reports AMX (launcher process)
+    install_weight_relayout       after ModelRunner.load_model, a function of the model (the
+                                  CPU engine's float32 weights stored column-major)
     register_specserve            the SPECSERVE algorithm, its output streamer, its metrics
     install_ragged_extend_metadata IntelAMXAttnBackend._build_extend_metadata reads a ragged
                                   verify layout
@@ -130,6 +132,23 @@ def keep_intel_amx_backend() -> None:
     from sglang.srt.runtime_context import override_platform
 
     override_platform(has_amx=True).install()
+
+
+def install_weight_relayout(relayout: Callable[[Any], int]) -> None:
+    """After every ModelRunner.load_model (the target's, a draft worker's), relayout(the
+    runner's model); logs how many weights it changed."""
+    import logging
+
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    def _after_load(result: Any, runner: Any, *a: Any, **kw: Any) -> Any:
+        changed = relayout(getattr(runner, "model", None))
+        logging.getLogger(__name__).info("sloserve plugin: %d weights relaid out by %s",
+                                         changed, getattr(relayout, "__name__", relayout))
+        return result
+
+    HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.load_model",
+                          _after_load, HookType.AFTER)
 
 
 def register_specserve(worker_class: Callable[[], type],

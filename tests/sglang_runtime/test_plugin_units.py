@@ -233,7 +233,13 @@ def test_closed_loop_benchmark_runs_each_system_as_named():
     weak = system_args("sloserve@/w/d/no-profile", "T", "D")  # another draft, no profile
     assert weak[weak.index("--draft-model-path") + 1] == "/w/d"
     assert weak[-2:] == ["--spec-profile", "none"] and weak[weak.index("--drafter") + 1] == "model"
-    from sloserve.bench.sglang_specserve import file_stem
+    from sloserve.bench.sglang_specserve import file_stem, system_env
+
+    row = system_args("sloserve@/w/d/no-profile/row", "T", "D")  # SGLang's weight layout
+    assert row == weak and system_env("sloserve@/w/d/no-profile/row") == {
+        "SLOSERVE_CPU_WEIGHTS": "row"}
+    assert system_env("plain") == {} and system_args("plain/row", "T", "D") == \
+        system_args("plain", "T", "D")
 
     assert file_stem("sloserve-ngram::per-request/no-profile") == \
         "sloserve-ngram--per-request-no-profile"

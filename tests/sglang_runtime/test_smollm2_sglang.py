@@ -77,6 +77,15 @@ def test_sglang_chat_answers_meaningfully(servers):
     assert "Paris" in out["choices"][0]["message"]["content"]
 
 
+def test_linear_weights_are_stored_column_major(servers, reference):
+    """The plugin stores the float32 linear weights column-major on this CPU (cpu_weights.py):
+    SmolLM2's 30 layers' 4 linears and its LM head (tied to the input embedding) once, so
+    the greedy output above is the relaid model's."""
+    servers("plain")
+    log = servers.log("plain").read_text(errors="replace")
+    assert "sloserve plugin: 121 weights relaid out by relayout_linear_weights" in log, log[-3000:]
+
+
 SPEC_SYSTEMS = {
     "specserve-fixed3": ["--drafter", "model", "--spec-policy", "fixed:3", "--k-max", "4"],
     # the preset's default drafter inside SGLang, as in the built-in engine: prompt lookup
@@ -98,7 +107,9 @@ def servers(sglang_python, smollm2_dir, tmp_path_factory):
 
     draft = PRESETS["smollm2"].draft()
     assert draft is not None, "the distilled draft ships with the repository"
-    specs = {"plain": (["--model", "smollm2", "--spec-policy", "ar"], {})}
+    # info: the plugin's count of relaid weights (test_linear_weights_are_column_major)
+    specs = {"plain": (["--model", "smollm2", "--spec-policy", "ar", "--log-level", "info"],
+                       {})}
     for system, args in SPEC_SYSTEMS.items():
         if system.startswith("standalone"):
             args = [*args, "--speculative-draft-model-path", str(draft)]

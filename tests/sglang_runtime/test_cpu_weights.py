@@ -1,0 +1,102 @@
+"""The plugin's column-major float32 weights (sloserve/sglang_ext/cpu_weights.py), in the main
+environment: values, shapes and Parameter objects kept, each weight once, only float32 CPU
+matrices of linear layers and the LM head; the switch and the profile key that follows it.
+That SGLang's own server decodes with them exactly as transformers does, and that they are
+applied there (the count in its log), is test_smollm2_sglang.py's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sloserve.cli.sglang_launch import sglang_args
+from sloserve.sglang_ext import settings
+from sloserve.sglang_ext.cpu_weights import (
+    LAYOUT_ENV,
+    column_major,
+    is_column_major,
+    layout_from_env,
+    relayout_linear_weights,
+)
+
+
+class UnquantizedLinearMethod:
+    """Stands in for SGLang's class of that name (the outside world here): a module whose
+    quant_method is one multiplies F.linear(x, module.weight)."""
+
+
+class Linear(torch.nn.Module):
+    def __init__(self, n: int, k: int, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(n, k, dtype=dtype), requires_grad=False)
+        self.quant_method = UnquantizedLinearMethod()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class TiedModel(torch.nn.Module):
+    """An embedding tied to the LM head (SmolLM2's layout), two linears, a bf16 one, a norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 8)
+        self.up, self.down = Linear(24, 8), Linear(8, 24)
+        self.bf16 = Linear(16, 8, torch.bfloat16)
+        self.norm = torch.nn.LayerNorm(8)
+        self.lm_head = self.embed
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.embed(ids))
+        h = h + self.down(torch.relu(self.up(h)))
+        return h @ self.lm_head.weight.T
+
+
+def test_column_major_keeps_values_and_shape():
+    w = torch.randn(48, 16)
+    c = column_major(w)
+    assert c.shape == w.shape and c.stride() == (1, 48) and torch.equal(c, w)
+    assert is_column_major(c) and not is_column_major(w)
+    x = torch.randn(5, 16)
+    torch.testing.assert_close(F.linear(x, c), F.linear(x, w))
+
+
+def test_relayout_changes_linears_and_the_tied_head_once_in_place():
+    torch.manual_seed(0)
+    model = TiedModel()
+    ids = torch.tensor([[3, 7, 49, 0, 12]])
+    before = model(ids)
+    params = {name: p for name, p in model.named_parameters()}
+    values = {name: p.detach().clone() for name, p in params.items()}
+
+    assert relayout_linear_weights(model) == 3  # up, down, the tied head; not the bf16 one
+    for name, p in model.named_parameters():
+        assert p is params[name] and torch.equal(p, values[name])  # same objects and values
+    assert is_column_major(model.up.weight) and is_column_major(model.down.weight)
+    assert is_column_major(model.embed.weight) and model.lm_head.weight is model.embed.weight
+    assert model.bf16.weight.is_contiguous() and model.norm.weight.is_contiguous()
+    torch.testing.assert_close(model(ids), before)  # lookups and products read any strides
+    assert relayout_linear_weights(model) == 0  # done: not contiguous any more
+    assert relayout_linear_weights(None) == 0
+
+
+def test_the_layout_switch_and_the_profile_key_follow_the_environment(monkeypatch):
+    monkeypatch.delenv(LAYOUT_ENV, raising=False)
+    assert layout_from_env() == "column"
+    assert settings.sglang_device_key("cpu").endswith("-wcol")
+    monkeypatch.setenv(LAYOUT_ENV, "ROW")
+    assert layout_from_env() == "row"
+    row_key = settings.sglang_device_key("cpu")
+    assert row_key.startswith("sglang-cpu-") and not row_key.endswith("-wcol")
+    monkeypatch.setenv(LAYOUT_ENV, "transposed")
+    with pytest.raises(ValueError, match=LAYOUT_ENV):
+        layout_from_env()
+
+
+def test_the_launcher_refuses_an_unknown_layout(monkeypatch, capsys):
+    monkeypatch.setenv(LAYOUT_ENV, "transposed")
+    with pytest.raises(SystemExit) as e:
+        sglang_args(["--model-path", "/nonexistent", "--spec-policy", "ar"])
+    assert e.value.code == 2
+    assert LAYOUT_ENV in capsys.readouterr().err
