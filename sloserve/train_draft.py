@@ -1319,7 +1319,7 @@ def main(argv: list[str] | None = None) -> int:
                    "sloserve/runtime/models/drafts/")
     p.add_argument("--hot-size", type=int, default=16384,
                    help="hot-vocab: tokens the draft's LM head keeps")
-    p.add_argument("--hot-prompts", type=int, default=600,
+    p.add_argument("--hot-prompts", type=int, default=800,
                    help="hot-vocab: prompts of the mix (Spec-Bench's left out) answered")
     p.add_argument("--export", action="store_true",
                    help="write the checkpoint's draft into sloserve/runtime/models/drafts/")
