@@ -100,3 +100,23 @@ def test_the_launcher_refuses_an_unknown_layout(monkeypatch, capsys):
         sglang_args(["--model-path", "/nonexistent", "--spec-policy", "ar"])
     assert e.value.code == 2
     assert LAYOUT_ENV in capsys.readouterr().err
+
+
+def test_the_layout_benchmark_runs_both_layouts_on_the_same_products(tmp_path):
+    import json
+
+    from sloserve.bench.cpu_weights import main, products, weights
+
+    stack, head = weights(1)
+    x = torch.randn(3, head.shape[1])
+    torch.testing.assert_close(
+        products(x, [[column_major(w) for w in ws] for ws in stack], column_major(head)),
+        products(x, stack, head))
+    out = tmp_path / "bench.json"
+    assert main(["--rows", "1,3", "--layers", "1", "--repeats", "1", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [r["rows"] for r in results] == [1, 3]
+    assert all(set(r["ms"]) == {"row", "column"} and min(r["ms"].values()) > 0
+               for r in results)
+    with pytest.raises(SystemExit):
+        main(["--rows", "0"])

@@ -1,0 +1,102 @@
+"""A forward's linear layers and LM head on the CPU with SGLang's row-major float32 weights
+against the column-major ones sloserve's SGLang plugin stores (sloserve/sglang_ext/
+cpu_weights.py), for 1..32 rows (a decode step of batch B has B rows, a verify B (k + 1)).
+SmolLM2-135M's shapes by default (30 layers of qkv 960 x 576, o 576 x 576, gate_up
+3072 x 576, down 576 x 1536, and the 49,152 x 576 head: 540 MB of random weights, so every
+forward streams them from memory as the model's does). Two to four minutes on a 2-core CPU.
+The layouts take turns (the order reversed every repeat), so a drifting machine moves both
+alike.
+
+    python -m sloserve.bench.cpu_weights [--rows 1,2,3,4,6,8,12,16,24,32] [--repeats 7]
+        [--threads 2] [--out out/bench_cpu_weights.json]
+
+Prints a table (milliseconds per forward's products, medians over the repeats) and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from sloserve.bench.common import machine_info, print_table, write_json
+from sloserve.sglang_ext.cpu_weights import column_major
+
+# SmolLM2-135M: one layer's (out, in) products (q/k/v fused, gate/up fused) and the head
+LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+HEAD = (49_152, 576)
+
+
+def weights(layers: int, seed: int = 0) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    stack = [[torch.randn(n, k, generator=g) / k ** 0.5 for n, k in LAYER]
+             for _ in range(layers)]
+    return stack, torch.randn(*HEAD, generator=g) / HEAD[1] ** 0.5
+
+
+def products(x: torch.Tensor, stack: list[list[torch.Tensor]], head: torch.Tensor
+             ) -> torch.Tensor:
+    """The forward's linear products as SGLang computes them: F.linear per layer (the
+    down projection's input is the gate/up product's first half), hidden @ head.T."""
+    for qkv, o, gate_up, down in stack:
+        F.linear(x, qkv)
+        F.linear(x, o)
+        h = F.linear(x, gate_up)
+        F.linear(h[:, : down.shape[1]].contiguous(), down)
+    return x @ head.T
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sloserve.bench.cpu_weights",
+                                description=__doc__.split("\n")[0], allow_abbrev=False)
+    p.add_argument("--rows", default="1,2,3,4,6,8,12,16,24,32")
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default="out/bench_cpu_weights.json")
+    args = p.parse_args(argv)
+    try:
+        rows = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        p.error(f"argument --rows: not a comma-separated list of integers: {args.rows!r}")
+    if not rows or min(rows) < 1:
+        p.error("argument --rows: every row count must be >= 1")
+    if args.repeats < 1 or args.layers < 1 or args.threads < 1:
+        p.error("arguments --repeats, --layers and --threads must be >= 1")
+    torch.set_num_threads(args.threads)
+    print(f"float32 linear products of {args.layers} SmolLM2-shaped layers and the head, "
+          f"row-major against column-major weights, {len(rows)} row counts x "
+          f"{args.repeats} repeats; 2-4 minutes on a 2-core CPU", flush=True)
+    stack, head = weights(args.layers)
+    layouts = {"row": (stack, head),
+               "column": ([[column_major(w) for w in ws] for ws in stack], column_major(head))}
+    table, results = [], []
+    for m in rows:
+        x = torch.randn(m, HEAD[1], generator=torch.Generator().manual_seed(m))
+        times: dict[str, list[float]] = {name: [] for name in layouts}
+        for s, h in layouts.values():  # warm-up
+            products(x, s, h)
+        for rep in range(args.repeats):
+            order = list(layouts) if rep % 2 == 0 else list(layouts)[::-1]
+            for name in order:
+                s, h = layouts[name]
+                t0 = time.perf_counter()
+                products(x, s, h)
+                times[name].append(time.perf_counter() - t0)
+        med = {name: statistics.median(v) * 1e3 for name, v in times.items()}
+        results.append({"rows": m, "ms": med, "all_ms": {n: [t * 1e3 for t in v]
+                                                         for n, v in times.items()}})
+        table.append([m, f"{med['row']:.1f}", f"{med['column']:.1f}",
+                      f"{med['column'] / med['row']:.2f}"])
+        print(f"  {m} rows done", flush=True)
+    print_table(["rows", "row-major ms", "column-major ms", "column / row"], table)
+    write_json(args.out, {"machine": machine_info(), "args": vars(args),
+                          "torch": torch.__version__, "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
