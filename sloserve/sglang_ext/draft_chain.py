@@ -73,15 +73,20 @@ RoundsDone = Callable[[int], None]
 CatchUpSink = Callable[[Any, int], None]
 
 
+def _plain_logits(batch: Any, si: Any) -> bool:
+    """No grammar mask, penalties or logit bias change the batch's logits before sampling."""
+    return (not batch.has_grammar and si.acc_additive_penalties is None
+            and si.acc_scaling_penalties is None and si.logit_bias is None)
+
+
 def sampled_batch(batch: Any) -> bool:
     """Whether SPECSERVE samples this decode batch itself (chain_sampling.py): some request is
     not greedy, and none needs what that sampler does not apply (a grammar, penalties, a
     logit bias, min-p); those batches keep SGLang's verify (argmax on CPUs)."""
     si = batch.sampling_info
-    if si is None or si.is_all_greedy or batch.has_grammar:
+    if si is None or si.is_all_greedy:
         return False
-    return (si.acc_additive_penalties is None and si.acc_scaling_penalties is None
-            and si.logit_bias is None and not si.need_min_p_sampling)
+    return _plain_logits(batch, si) and not si.need_min_p_sampling
 
 
 def compact_acceptance(batch: Any) -> bool:
@@ -89,9 +94,8 @@ def compact_acceptance(batch: Any) -> bool:
     (chain_sampling.greedy_chains): an all-greedy batch whose verify reads the logits for
     nothing else (no grammar mask, penalties, logit bias, watermark or logprobs)."""
     si = batch.sampling_info
-    return (si is not None and bool(si.is_all_greedy) and not batch.has_grammar
-            and not batch.return_logprob and si.acc_additive_penalties is None
-            and si.acc_scaling_penalties is None and si.logit_bias is None
+    return (si is not None and bool(si.is_all_greedy) and _plain_logits(batch, si)
+            and not batch.return_logprob
             and not getattr(si, "has_watermark_candidates", False))
 
 

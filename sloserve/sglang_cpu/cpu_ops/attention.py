@@ -178,7 +178,7 @@ class _PlanMemo:
         self.meta: tuple | None = None
         self.values: torch.Tensor | None = None
         self.plan: object | None = None
-        self.table: torch.Tensor | None = None  # held: its id stays this tensor's
+        self.table: torch.Tensor | None = None  # held, compared by identity
 
     def get(self, meta: tuple, req_to_token: torch.Tensor, pool_idx: torch.Tensor,
             parts: list[torch.Tensor], build) -> object:
@@ -186,7 +186,6 @@ class _PlanMemo:
         lens = parts[0]
         last = req_to_token[pool_idx, (lens - 1).clamp(min=0)].long()  # [bs]
         values = torch.cat([pool_idx, *parts, last])
-        meta = (*meta, id(req_to_token))
         if (meta == self.meta and self.values is not None
                 and self.values.shape == values.shape and torch.equal(self.values, values)
                 and self.table is req_to_token):
