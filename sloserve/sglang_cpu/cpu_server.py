@@ -137,17 +137,21 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> None:
-    """SIGTERM the server's process group (launcher, scheduler, detokenizer), SIGKILL after
-    `timeout`."""
-    if proc.poll() is not None:
-        return
-    pgid = os.getpgid(proc.pid)
-    os.killpg(pgid, 15)
+    """SIGTERM the server's process group (launcher, scheduler, detokenizer; started in a
+    session of its own, so the group is the launcher's pid), then SIGKILL whatever of it is
+    left after the launcher exited or after `timeout`: SGLang's children can outlive it."""
+    pgid = proc.pid
+    if proc.poll() is None:
+        os.killpg(pgid, 15)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
     try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
         os.killpg(pgid, 9)
-        proc.wait()
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def generate(cfg: CPUServerConfig, payload: dict, timeout: float = 600.0) -> dict | list:
