@@ -4,9 +4,9 @@ SGLang keeps a linear layer's weight W [N, K] row-major and multiplies `F.linear
 (x [M, K]); its logits processor multiplies `hidden @ lm_head.weight.T`. In float32 on a
 CPU both are one sgemm whose B operand is W transposed, and torch's CPU GEMM is much slower
 on that transposed B for a few rows than on the same product with W's storage transposed
-(measured on the 2-core Intel Xeon with AVX-512, torch 2.14.1, 2 threads, 2026-12-01):
-SmolLM2's LM head (49,152 x 576) took 14.4 ms for 8 rows and 21.6 ms for 12 row-major,
-10.4 and 11.2 ms column-major; its layers' linears 0.80 against 0.46 ms a layer at 8 rows.
+(`python -m sloserve.bench.cpu_weights` on the 2-core Intel Xeon with AVX-512, torch
+2.14.1, 2 threads, 2026-12-01): a SmolLM2 forward's linears and head took 58 / 76 / 88 ms
+at 4 / 8 / 12 rows row-major, 45 / 59 / 63 ms column-major; 1-3 rows within 7% either way.
 A speculative verify is exactly such a product of a few rows per request.
 
 `relayout_linear_weights` gives each such weight the strides of its transpose's contiguous
