@@ -135,8 +135,9 @@ def serving_scale(cfg: EngineConfig, profile: str, batches=(1, 4), tokens: int =
 def scaled(cost, s: float):
     from sloserve.estimator.cost_model import CostModel
 
-    return CostModel(cost.target.scaled(s), cost.draft.scaled(s), cost.overhead * s,
-                     cost.verify_fixed * s)
+    target, verify_token = cost.scaled_target(s)
+    return CostModel(target, cost.draft.scaled(s), cost.overhead * s, cost.verify_fixed * s,
+                     cost.token_scale, verify_token)
 
 
 def rel_err(sim: float | None, real: float | None) -> float | None:

@@ -18,6 +18,8 @@ docs/design.md sec. 2 to what SGLang's forwards took:
             first also reads the rows the draft had not read, counted in)
     overhead  the plain steps' seconds outside the verify forward (they run no draft
             forward: draft_chain.py)
+    verify_token  the price of a verified draft token at each batch size the sweep ran
+            (verify_token_prices): on a CPU it is far from target's one b
     calibration  the draft's confidence -> conditional acceptance counts of the pair (every
             drafted chain's confidences against its accepted count), which the SPECSERVE
             policy's map g starts from (docs/design.md sec. 3)
@@ -80,11 +82,14 @@ def fit_rows(rows: Sequence[dict], target_path: str, draft_path: str | None, dev
     draft_path None: the n-gram drafter's (draft key "ngram")."""
     target: list[tuple[float, float, float]] = []  # verify forwards of drafting steps
     plain: list[tuple[float, float, float]] = []  # decode forwards of plain steps
+    batches: list[int] = []  # target's rows' decode batch sizes
     draft, plain_rest, rest = [], [], []
     for r in rows:
         B, k, ctx = r["batch"], r["k"], r["context"]
         q = B * (k + 1)
         (target if k else plain).append((ctx + q, q, r["verify"]))
+        if k:
+            batches.append(B)
         if k:  # (the draft reads no verified window: draft_chain.py; "extend" ~ 0)
             # k forwards of B rows each, the first with the catch-up's rows besides
             # (draft_chain.py): one mean forward
@@ -102,6 +107,7 @@ def fit_rows(rows: Sequence[dict], target_path: str, draft_path: str | None, dev
         t_cost = replace(t_cost, c=t_cost.c - verify_fixed)
     calibration = calibration_counts(rows)
     overhead = statistics.median(plain_rest or rest)
+    verify_token = verify_token_prices(target, batches, t_cost.a)
     return Profile(
         target=ModelProfile(target_path, fingerprint(target_path), t_cost, t_fit.stats),
         draft=ModelProfile(draft_path, fingerprint(draft_path), d_fit.cost, d_fit.stats)
@@ -109,8 +115,36 @@ def fit_rows(rows: Sequence[dict], target_path: str, draft_path: str | None, dev
         device=settings.sglang_device_key(device), dtype=dtype, overhead=max(0.0, overhead),
         verify_fixed=verify_fixed,
         grid={"concurrency": list(levels), "steps": [len(rows)]}, mode="sglang-sweep",
-        calibration=calibration,
+        calibration=calibration, verify_token=verify_token,
     )
+
+
+MIN_BATCH_ROWS = 24  # verify forwards of one batch size that give its token price
+
+
+def verify_token_prices(target: Sequence[tuple[float, float, float]], batches: Sequence[int],
+                        a: float) -> tuple[tuple[float, float], ...]:
+    """CostModel.verify_token from the verify forwards: target [(n_ctx, n_q, seconds)] and
+    each one's decode batch size B. For every B with MIN_BATCH_ROWS forwards over at least
+    four draft lengths (the sweep's levels; the batches passed through between them are too
+    few and far apart), the Theil-Sen slope (the median of the pairwise slopes: a GC pause
+    or a preempted forward moves it little) of the seconds, less the context's a * n_ctx,
+    against the verified draft tokens n_q - B. Measured on the 2-core Xeon (2026-12-02):
+    4.9 ms a token at batch 1, 2.5 at 2, 1.8-2.3 at 4-16 (one fitted b: 2.2)."""
+    by_batch: dict[int, list[tuple[float, float]]] = {}
+    for (n_ctx, n_q, y), B in zip(target, batches):
+        by_batch.setdefault(B, []).append((n_q - B, y - a * n_ctx))
+    table = []
+    for B in sorted(by_batch):
+        pts = np.asarray(by_batch[B])  # [N, 2] verified tokens, seconds
+        if len(pts) < MIN_BATCH_ROWS or np.unique(pts[:, 0]).size < 4:
+            continue
+        i, j = np.triu_indices(len(pts), 1)
+        dn = pts[j, 0] - pts[i, 0]
+        ok = dn != 0.0
+        slope = float(np.median((pts[j, 1] - pts[i, 1])[ok] / dn[ok]))
+        table.append((float(B), max(0.0, slope)))
+    return tuple(table)
 
 
 def calibration_counts(rows: Sequence[dict]) -> tuple[tuple[float, ...], ...] | None:

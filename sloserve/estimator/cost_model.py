@@ -14,6 +14,7 @@ This file is the contract between the profiler (which fits the coefficients), th
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -56,14 +57,42 @@ class CostModel:
     # mask and the verify bookkeeping, ~14 ms at batch 1 on the 2-core CPU, where its decode
     # forward is 60 ms) against its decode path. 0: one path for both (the built-in engine)
     verify_fixed: float = 0.0
-    # the price of a verified draft token is target.b times this (the online correction's
-    # own scale for verified tokens over its plain forward's, estimator/online_cost.py)
+    # the price of a verified draft token is target.b (or verify_token's) times this (the
+    # online correction's own scale for verified tokens over its plain forward's,
+    # estimator/online_cost.py)
     token_scale: float = 1.0
+    # the price of a verified draft token by decode batch size, in target.b's units (scaled
+    # with the target): ((batch, seconds a token), ...) ascending in batch, interpolated
+    # linearly and held flat past both ends. A forward's matrix products cost far from
+    # linearly in their rows on a CPU: on SGLang's CPU engine a verified token cost 4.9 ms
+    # at batch 1 and 1.8-2.3 ms at 4-16 against one fitted b of 2.2 ms (2026-12-02); the
+    # online correction's one scale for verified tokens, learnt where they are dear, then
+    # priced them at twice their cost at batch 16 (and speculation off). The SGLang profiler
+    # measures it per batch size (cli/sglang_profile.py); empty: target.b at every batch
+    verify_token: tuple[tuple[float, float], ...] = ()
 
     def without_draft(self) -> CostModel:
         """The same costs with a drafter that runs no forward (the n-gram drafter)."""
         return CostModel(self.target, ForwardCost.free(), self.overhead, self.verify_fixed,
-                         self.token_scale)
+                         self.token_scale, self.verify_token)
+
+    def token_time(self, batch: float) -> float:
+        """Seconds one more verified draft token adds to the target forward of a decode
+        batch of this size (past the target's knee), token_scale included."""
+        table = self.verify_token
+        if not table:
+            return self.target.b * self.token_scale
+        i = bisect_right(table, (batch, float("inf")))
+        if i == 0:
+            return table[0][1] * self.token_scale
+        if i == len(table):
+            return table[-1][1] * self.token_scale
+        (b0, s0), (b1, s1) = table[i - 1], table[i]
+        return (s0 + (s1 - s0) * (batch - b0) / (b1 - b0)) * self.token_scale
+
+    def scaled_target(self, s: float) -> tuple[ForwardCost, tuple[tuple[float, float], ...]]:
+        """The target's forward cost and verify_token, every time s times longer."""
+        return self.target.scaled(s), tuple((b, t * s) for b, t in self.verify_token)
 
 
 class ModelShape(Protocol):

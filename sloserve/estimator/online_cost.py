@@ -32,8 +32,10 @@ moves with the batch in a way the profile's one b cannot follow (~6 ms a token a
 ~1.5 ms at 16, against a fitted 2 ms): one scale for all put the price of verifying wherever
 the mix of plain and verify steps put it, so the plan verified long chains at batch 1 that
 cost three times their price. Fitted on the steps the batch runs now (the forgetting window),
-the three follow the operating point. Without a profiled verify_fixed the fit is the
-one-scale fit below.
+the three follow the operating point; but theta_verify learns only from steps that verify,
+so the caller's verified-token feature should carry the profile's price at the step's
+batch size where it has one (CostModel.token_time): then a scale learnt at batch 1 does not
+price batch 16's tokens. Without a profiled verify_fixed the fit is the one-scale fit below.
 
 Each is an exponentially weighted least-squares fit (forgetting factor `forget`: an
 effective window of 1 / (1 - forget) steps; every step fades every sum) with a prior at 1,

@@ -21,6 +21,8 @@ Schema (version 1):
      "overhead": seconds per step outside the forwards,
      "verify_fixed": seconds a target forward verifying draft tokens pays over a plain
                      decode forward (its verify path; optional, 0 if absent),
+     "verify_token": [[batch, seconds], ...] (optional): the price of a verified draft
+                     token by decode batch size (CostModel.verify_token),
      "calibration": [[rejected per bin], [accepted per bin]] (optional): draft confidence ->
                     conditional acceptance outcomes of the pair, 16 equal confidence bins,
      "grid": {"batch_sizes": [...], "context_lens": [...], "query_lens": [...]}}
@@ -87,6 +89,7 @@ class Profile:
     grid: dict[str, list[int]] = field(default_factory=dict)
     mode: str = "full"
     calibration: tuple[tuple[float, ...], ...] | None = None  # [2, n_bins] counts
+    verify_token: tuple[tuple[float, float], ...] = ()  # CostModel.verify_token
     sloserve_version: str = __version__
     created: str = field(
         default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -94,7 +97,7 @@ class Profile:
 
     def cost_model(self) -> CostModel:
         return CostModel(target=self.target.cost, draft=self.draft.cost, overhead=self.overhead,
-                         verify_fixed=self.verify_fixed)
+                         verify_fixed=self.verify_fixed, verify_token=self.verify_token)
 
 
 def profile_filename(target_key: str, draft_key: str, device: str, dtype: str) -> str:
@@ -130,6 +133,8 @@ def to_json(profile: Profile) -> dict:
         "draft": _model_json(profile.draft),
         "overhead": profile.overhead,
         **({"verify_fixed": profile.verify_fixed} if profile.verify_fixed else {}),
+        **({"verify_token": [list(p) for p in profile.verify_token]}
+           if profile.verify_token else {}),
         "grid": profile.grid,
         **({"calibration": [list(row) for row in profile.calibration]}
            if profile.calibration is not None else {}),
@@ -152,6 +157,7 @@ def from_json(d: dict) -> Profile:
             dtype=d["dtype"],
             overhead=float(d.get("overhead", 0.0)),
             verify_fixed=float(d.get("verify_fixed", 0.0)),
+            verify_token=_verify_token(d.get("verify_token", ())),
             grid=dict(d.get("grid", {})),
             mode=d.get("mode", "full"),
             calibration=(tuple(tuple(float(x) for x in row) for row in d["calibration"])
@@ -161,6 +167,16 @@ def from_json(d: dict) -> Profile:
         )
     except (KeyError, TypeError) as err:
         raise ValueError(f"malformed profile file: {err!r}") from err
+
+
+def _verify_token(rows: list) -> tuple[tuple[float, float], ...]:
+    """verify_token's [[batch, seconds], ...] checked: ascending distinct batches >= 1,
+    seconds >= 0 (ValueError otherwise)."""
+    table = tuple((float(b), float(s)) for b, s in rows)
+    if any(b < 1.0 or s < 0.0 for b, s in table) or any(
+            b1 <= b0 for (b0, _), (b1, _) in zip(table, table[1:])):
+        raise ValueError(f"malformed verify_token table: {rows!r}")
+    return table
 
 
 def write_profile(profile: Profile, path: str | Path) -> Path:

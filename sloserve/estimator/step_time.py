@@ -99,7 +99,7 @@ class StepTimer:
             decode_only = verify_time(cost.target, float(self.n.sum()), float(self.batch_size))
             self.prefill = max(0.0, self.plain - decode_only - cost.overhead)
         # verify seconds per extra draft token past the knee
-        self.token_time = cost.target.b * cost.token_scale
+        self.token_time = cost.token_time(self.batch_size)
         # seconds the first verified draft token adds on top of token_time (the verify path)
         self.verify_fixed = cost.verify_fixed
         # draft tokens the verify forward takes in before they cost token_time each

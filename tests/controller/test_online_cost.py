@@ -280,3 +280,41 @@ def test_a_verify_path_far_dearer_than_profiled_is_learned_up_to_a_plain_forward
                       measured_target=0.17 + (0.5 if k else 0.0),
                       verify_part=0.004 if k else None)
     assert worse.verify_fixed <= 0.17 * 1.001
+
+
+def test_verified_tokens_learnt_at_batch_1_are_not_overpriced_at_batch_16():
+    """SGLang's CPU engine: a verified token costs ~5 ms at batch 1 and ~1.5 ms at 16
+    against one profiled b of 2.2 ms. A policy that speculates at batch 1 first learns one
+    scale for verified tokens there (~2x): without the profile's price by batch size it
+    then prices batch 16's tokens at ~5 ms too (and stops speculating there, 2026-12-02);
+    with it the scale stays ~1 and batch 16 keeps its own price."""
+    b = 2.2e-3
+    truth = ((1.0, 5e-3), (16.0, 1.5e-3))
+    flat = dataclasses.replace(COST, target=dataclasses.replace(COST.target, b=b),
+                               verify_fixed=0.005)
+    by_batch = dataclasses.replace(flat, verify_token=truth)
+    conf = np.full((1, 8), 0.9)
+    rng = np.random.default_rng(3)
+    policies = {"flat": SpecServePolicy(flat, 8, prior=0.9),
+                "by_batch": SpecServePolicy(by_batch, 8, prior=0.9)}
+    for policy in policies.values():
+        for _ in range(200):
+            step = make_step(1, context=int(rng.integers(64, 1024)))
+            drafted, k, plan = _plan(policy, step, conf)
+            timer = StepTimer(by_batch, step)
+            verify = timer.plain - by_batch.overhead + (
+                by_batch.verify_fixed + 5e-3 * float(k.sum()) if k.sum() else 0.0)
+            drafting = draft_time(COST.draft, timer.n, timer.lag, drafted)
+            policy.observe(plan, VerifyOutcome(
+                drafted=drafted, verified=k, accepted=np.minimum(k, 2),
+                confidences=conf[:, : max(int(drafted.max()), 1)],
+                step_time=verify + drafting + by_batch.overhead, draft_time=drafting,
+                verify_time=verify))
+        assert policy.correction is not None
+    flat_verify = policies["flat"].correction.theta_verify
+    assert flat_verify > 0.8 * 5e-3 / b  # (with the verify path's v, fitted alongside)
+    assert policies["by_batch"].correction.theta_verify == pytest.approx(1.0, abs=0.1)
+    at16 = {name: StepTimer(p._current_prices().cost, make_step(16)).token_time
+            for name, p in policies.items()}
+    assert at16["by_batch"] == pytest.approx(1.5e-3, rel=0.1)
+    assert at16["flat"] > 2.5 * at16["by_batch"]

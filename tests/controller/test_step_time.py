@@ -135,3 +135,30 @@ def test_verify_path_fixed_cost_is_paid_once_by_any_verified_token():
     assert np.allclose(u1[1:] - u0[1:], 0.01)
     assert np.allclose(t1.verify_extra(np.array([0.0, 3.0])) - t0.verify_extra(np.array([0.0, 3.0])),
                        [0.0, 0.01])
+
+
+def test_verify_token_price_follows_the_batch_size():
+    """CostModel.verify_token: a verified token's price by decode batch size (SGLang's CPU
+    engine: 4.9 ms at batch 1, ~2 ms at 4-16), interpolated linearly between the profiled
+    batches and flat past both ends, token_scale included; without a table target.b at every
+    batch. The step timer prices a step's verified tokens at its own batch's price."""
+    import dataclasses
+
+    base = CostModel(ForwardCost(3e-6, 2e-3, 30e-3), ForwardCost(5e-7, 2e-4, 5e-3),
+                     token_scale=1.5)
+    assert base.token_time(1) == base.token_time(16) == pytest.approx(3e-3)
+    table = dataclasses.replace(base, verify_token=((1.0, 5e-3), (4.0, 2e-3), (16.0, 1.8e-3)))
+    assert table.token_time(1) == pytest.approx(7.5e-3)
+    assert table.token_time(2) == pytest.approx(1.5 * 4e-3)  # a third of the way to 4
+    assert table.token_time(10) == pytest.approx(1.5 * 1.9e-3)
+    assert table.token_time(64) == pytest.approx(1.5 * 1.8e-3)
+    assert table.without_draft().token_time(2) == table.token_time(2)
+    target, scaled = table.scaled_target(2.0)
+    assert target.b == pytest.approx(4e-3)
+    assert np.allclose(scaled, ((1.0, 1e-2), (4.0, 4e-3), (16.0, 3.6e-3)))
+    for B, price in ((1, 7.5e-3), (4, 3e-3), (16, 2.7e-3)):
+        timer = StepTimer(table, make_step(B, context=300, k_max=4))
+        assert timer.token_time == pytest.approx(price)
+        none, two = np.zeros(B, dtype=np.int64), np.full(B, 2)
+        assert timer.plan(two, two) - timer.plan(two, none) == pytest.approx(2 * B * price)
+        assert timer.uniform(2)[2] == pytest.approx(timer.plan(two, two))

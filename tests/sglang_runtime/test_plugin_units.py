@@ -518,6 +518,48 @@ def test_sglang_profile_fits_the_draft_from_drafting_steps_only(tmp_path):
     assert profile.overhead == pytest.approx(overhead, rel=0.05)
 
 
+def test_sglang_profile_prices_a_verified_token_by_batch_size(tmp_path):
+    """A verified token's price differs by batch size on a CPU (4.9 ms at batch 1, ~2 ms at
+    4-16 on the 2-core Xeon): the profiler measures it per batch size of its sweep (the
+    Theil-Sen slope, so a few slow forwards do not move it), leaves out batches passed
+    through too rarely, and the table survives the profile file."""
+    from sloserve.cli.sglang_profile import fit_rows
+    from sloserve.estimator.cost_model import ForwardCost
+    from sloserve.estimator.profile_file import read_profile, write_profile
+
+    target = ForwardCost(a=2e-5, b=2.2e-3, c=0.08, q0=0.0)
+    price = {1: 5e-3, 2: 3e-3, 4: 2e-3, 8: 2.2e-3, 16: 1.5e-3}
+    rng = np.random.default_rng(4)
+    rows = []
+    for i in range(500):
+        B = int(rng.choice([1, 2, 4, 8, 16])) if i < 480 else 3  # batch 3: passed through
+        k, ctx = int(rng.integers(0, 9)), B * int(rng.integers(50, 400))
+        q = B * (k + 1)
+        verify = target.time(ctx + q, B) + (0.013 + price.get(B, 9e-3) * B * k if k else 0.0)
+        if rng.random() < 0.05:
+            verify *= 3.0  # a preempted forward
+        rows.append({"batch": B, "k": k, "context": ctx, "verify": verify, "extend": 1e-4,
+                     "draft": 0.01 * k, "catch_up_rows": 0, "step": verify + 0.01 * k + 1e-3})
+    for name in ("t", "d"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+    profile = fit_rows(rows, str(tmp_path / "t"), str(tmp_path / "d"), "cpu", "float32",
+                       [1, 2, 4, 8, 16])
+    batches = [b for b, _ in profile.verify_token]
+    assert batches == [1.0, 2.0, 4.0, 8.0, 16.0]  # not 3
+    for b, seconds in profile.verify_token:
+        assert seconds == pytest.approx(price[int(b)], rel=0.15), b
+    back = read_profile(write_profile(profile, tmp_path / "p.json"))
+    assert back.verify_token == profile.verify_token
+    cost = back.cost_model()
+    assert cost.token_time(1) == pytest.approx(profile.verify_token[0][1])
+    bad = json.loads((tmp_path / "p.json").read_text())
+    bad["verify_token"] = [[4, 2e-3], [2, 3e-3]]
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="verify_token"):
+        read_profile(tmp_path / "bad.json")
+
+
 def test_sglang_profile_measures_the_draft_model_and_keys_prompt_lookup_apart(tmp_path):
     """The profiler starts SGLang with the draft model unless --drafter says otherwise (the
     launcher's default for smollm2 is prompt lookup, whose ~free "draft forwards" were once

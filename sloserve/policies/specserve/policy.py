@@ -146,9 +146,11 @@ class SpecServePolicy(SpecPolicy):
                 or seen != self._seen:
             c = self.profile_cost
             t = corr.theta_target
-            cost = CostModel(c.target.scaled(t), c.draft.scaled(corr.theta_draft),
+            target, verify_token = c.scaled_target(t)
+            cost = CostModel(target, c.draft.scaled(corr.theta_draft),
                              c.overhead * t if overhead is None else overhead,
-                             corr.verify_fixed, c.token_scale * corr.theta_verify / t)
+                             corr.verify_fixed, c.token_scale * corr.theta_verify / t,
+                             verify_token)
             self.prices = prices = Prices(cost, t, corr.theta_draft)
             self._seen = seen
         return prices
@@ -189,7 +191,7 @@ class SpecServePolicy(SpecPolicy):
             c = self.profile_cost
             n_verified = float(outcome.verified.sum())
             if c.verify_fixed:  # the fit's features: the verified tokens' profiled seconds
-                verify = c.target.b * c.token_scale * timer.paid_verify(n_verified)
+                verify = c.token_time(timer.batch_size) * timer.paid_verify(n_verified)
             self.correction.observe(
                 c.target.time(timer.verify_ctx, timer.verify_q0) + verify,
                 drafting / prices.theta_draft, outcome.step_time, outcome.draft_time,
