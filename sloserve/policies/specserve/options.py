@@ -34,6 +34,10 @@ class SpecServeOptions:
     # a strict subset of the candidates drafts (a tail is trimmed) only if it raises E by
     # more than this fraction over the uniform choice
     uniform_margin: float = 0.06
+    # a draft round that does not raise E by itself still runs if the same requests drafting
+    # on at their predictions would (the verify path's once-a-step cost and the draft
+    # forward's fixed cost make a first round dearer than the ones after it)
+    lookahead: bool = True
     # the SLO guard: plans are held to SLO / (the worst measured / predicted step time of
     # the last `overrun_window` steps), assumed `initial_overrun` until measured
     overrun_window: int = 1024

@@ -150,7 +150,9 @@ class SpecServePlan(SpecPlan):
         with each request's confidences at its prediction, for callers that cannot consult
         the plan between draft rounds (SGLang's speculative workers draft a fixed number of
         steps). E is unimodal in k, so the search stops at the first k that does not raise
-        it. The plan's tokens, time and k_total become that uniform plan's."""
+        it, except past k = 1 (the verify path's once-a-step cost can make k = 1 score
+        below k = 0 and k = 2 above it: with `lookahead` every k is scored). The plan's
+        tokens, time and k_total become that uniform plan's."""
         B, k_max = self.step.batch_size, self.k_max
         if B == 0 or k_max <= 0:
             return 0
@@ -167,6 +169,8 @@ class SpecServePlan(SpecPlan):
                 break
             e = tokens / (times[k] - self.unscored)
             if e <= best_e:
+                if self.inputs.options.lookahead:
+                    continue
                 break
             best_k, best_tokens, best_e = k, tokens, e
         self.tokens, self.time = best_tokens, float(times[best_k])
@@ -250,11 +254,35 @@ class SpecServePlan(SpecPlan):
         drafting = np.zeros(weight.size, dtype=bool)
         # a prefix ending in a zero-gain request always scores lower than the one before
         if score[best] <= current:
-            return drafting
+            chosen = order[: best + 1].tolist()
+            if not (opts.lookahead and self._pays_later(
+                    j, gain.take(chosen).tolist(), self.pred.take(chosen).tolist(),
+                    float(tokens[best]), float(time[best]), current)):
+                return drafting
         drafting[order[: best + 1]] = True
         self.time = float(time[best])
         self.k_total += best + 1
         return drafting
+
+    def _pays_later(self, j: int, gain: list[float], pred: list[float], tokens: float,
+                    time: float, current: float) -> bool:
+        """Whether position j + 1 for the chosen requests, which does not raise E by itself,
+        pays with the rounds after it: the plan with it has `tokens` expected tokens in
+        `time` seconds, gain [n] is each chosen request's expected token at j + 1 and pred
+        [n] its prediction; each later round h adds gain * pred^(h - 1) tokens a request and
+        the seconds of round j + 1 (less the verify path's once-a-step cost), within the
+        guarded SLO and k_max. Python floats, so both plans decide alike."""
+        later = time - self.time - (self.timer.verify_fixed if self.k_total == 0 else 0.0)
+        chain = gain
+        for _ in range(self.k_max - j - 1):
+            chain = [c * p for c, p in zip(chain, pred)]
+            tokens += sum(chain)
+            time += later
+            if time > self.slo:
+                return False
+            if tokens / (time - self.unscored) > current:
+                return True
+        return False
 
     def _prefix_times(self, j: int, order: np.ndarray) -> np.ndarray:
         """[B] exact step time of the plan plus draft position j + 1 for the first i + 1

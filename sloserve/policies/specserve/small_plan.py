@@ -128,7 +128,11 @@ class SmallSpecServePlan(SpecServePlan):
                 best = full
         drafting = np.zeros(B, dtype=bool)
         if score[best] <= current:
-            return drafting
+            chosen = order[: best + 1]
+            if not (opts.lookahead and self._pays_later(
+                    j, [gain[i] for i in chosen], [pred[i] for i in chosen], tokens[best],
+                    time[best], current)):
+                return drafting
         drafting[order[: best + 1]] = True
         self.time = time[best]
         self.k_total += best + 1
