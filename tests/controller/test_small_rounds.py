@@ -76,7 +76,8 @@ VERIFY_PATH = dataclasses.replace(cpu_cost_model(), verify_fixed=7e-3)
 @pytest.mark.parametrize("cost", [KNEE, cpu_cost_model(), VERIFY_PATH],
                          ids=["knee", "linear", "verify-path"])
 @pytest.mark.parametrize("options", [{}, {"uniform_margin": 0.0},
-                                     {"score_prefill": True, "start_margin": 0.05}])
+                                     {"score_prefill": True, "start_margin": 0.05},
+                                     {"lookahead": True}])
 def test_small_batch_path_decides_as_the_numpy_path(cost, options):
     rng = np.random.default_rng(7)
     numpy_path = SpecServePolicy(cost, 8, small_batch=0, **options)

@@ -36,8 +36,11 @@ class SpecServeOptions:
     uniform_margin: float = 0.06
     # a draft round that does not raise E by itself still runs if the same requests drafting
     # on at their predictions would (the verify path's once-a-step cost and the draft
-    # forward's fixed cost make a first round dearer than the ones after it)
-    lookahead: bool = True
+    # forward's fixed cost make a first round dearer than the ones after it). Off: on
+    # SGLang's CPU engine with the real pair it drafted 8x the rounds at C = 16 and lost
+    # 9% / 6% to the plan without it at C = 4 / 16 (+7% at C = 1; BENCHMARKS.md,
+    # 2026-12-02): the predictions it extrapolates are too optimistic for the rounds it adds
+    lookahead: bool = False
     # the SLO guard: plans are held to SLO / (the worst measured / predicted step time of
     # the last `overrun_window` steps), assumed `initial_overrun` until measured
     overrun_window: int = 1024

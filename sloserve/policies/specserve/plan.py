@@ -149,10 +149,10 @@ class SpecServePlan(SpecPlan):
         prefill seconds unless score_prefill), within the guarded SLO: the plan's own rule
         with each request's confidences at its prediction, for callers that cannot consult
         the plan between draft rounds (SGLang's speculative workers draft a fixed number of
-        steps). E is unimodal in k, so the search stops at the first k that does not raise
-        it, except past k = 1 (the verify path's once-a-step cost can make k = 1 score
-        below k = 0 and k = 2 above it: with `lookahead` every k is scored). The plan's
-        tokens, time and k_total become that uniform plan's."""
+        steps). The search stops at the first k that does not raise E, or with the
+        `lookahead` option scores every k (the verify path's once-a-step cost can make k = 1
+        score below k = 0 and k = 2 above it). The plan's tokens, time and k_total become
+        that uniform plan's."""
         B, k_max = self.step.batch_size, self.k_max
         if B == 0 or k_max <= 0:
             return 0
