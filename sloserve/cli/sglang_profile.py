@@ -88,9 +88,8 @@ def fit_rows(rows: Sequence[dict], target_path: str, draft_path: str | None, dev
         B, k, ctx = r["batch"], r["k"], r["context"]
         q = B * (k + 1)
         (target if k else plain).append((ctx + q, q, r["verify"]))
-        if k:
-            batches.append(B)
         if k:  # (the draft reads no verified window: draft_chain.py; "extend" ~ 0)
+            batches.append(B)
             # k forwards of B rows each, the first with the catch-up's rows besides
             # (draft_chain.py): one mean forward
             rows_read = B + r.get("catch_up_rows", 0) / k
