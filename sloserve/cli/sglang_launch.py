@@ -253,15 +253,20 @@ def _serve_guarded(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def free_loopback_port() -> int:
     """A loopback port free now, for SGLang behind the guard (SGLang binds it about a minute
-    later). Drawn at random from 20000-59999, not the kernel's next ephemeral port: two
-    launchers started together were handed the same one, and the second SGLang then failed to
-    bind it and served nothing (seen in CI, 2026-11-27)."""
+    later). Drawn at random, not the kernel's next ephemeral port: two launchers started
+    together were handed the same one, and the second SGLang then failed to bind it and served
+    nothing (seen in CI, 2026-11-27). Drawn outside the kernel's ephemeral range too: until
+    SGLang listens, a connect to a port in that range can be given the same port as its own
+    source port and connect to itself, reading its own request back as the answer (CI,
+    2026-12-02: `BadStatusLine: GET /health_generate HTTP/1.1`), and holding the port
+    SGLang is about to bind."""
     import random
     import socket
 
     rng = random.SystemRandom()
+    lo, hi = _port_draw_range()
     for _ in range(200):
-        port = rng.randint(20000, 59999)
+        port = rng.randint(lo, hi)
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
@@ -271,6 +276,21 @@ def free_loopback_port() -> int:
     with socket.socket() as sock:  # a crowded range: the kernel's choice
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _port_draw_range() -> tuple[int, int]:
+    """Ports [lo, hi] to draw from: 20000 up to just below the kernel's ephemeral range
+    (Linux: /proc/sys/net/ipv4/ip_local_port_range, 32768-60999 by default), or above it
+    when it starts too low to leave a thousand; 20000-59999 where it cannot be read."""
+    try:
+        first, last = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    except (OSError, ValueError):
+        return 20000, 59999
+    if first - 20000 >= 1000:
+        return 20000, first - 1
+    if 65535 - last >= 1000:
+        return last + 1, 65535
+    return 20000, 59999
 
 
 def _vocab_size(cmd: list[str]) -> int | None:

@@ -19,6 +19,7 @@ The python running the server must have SGLang and sloserve installed
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import subprocess
@@ -130,8 +131,8 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None
             with urllib.request.urlopen(url + "/health_generate", timeout=30) as r:
                 if r.status == 200:
                     return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
+        except (urllib.error.URLError, ConnectionError, TimeoutError, http.client.HTTPException):
+            pass  # HTTPException: e.g. a connect to a port nobody listens on yet, given itself
         time.sleep(1.0)
     raise TimeoutError(f"SGLang server at {url} not ready after {timeout:.0f} s")
 

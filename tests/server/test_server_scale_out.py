@@ -6,7 +6,6 @@ output of a replica asked directly, and the loads the router shows are the repli
 from __future__ import annotations
 
 import importlib.util
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ import httpx
 import pytest
 from server_testing import start_server, tiny_config
 
+from sloserve.cli.sglang_launch import free_loopback_port
 from sloserve.runtime.engine import Engine
 
 pytestmark = pytest.mark.skipif(
@@ -28,16 +28,10 @@ CHATS = [f"Say something about {w}" for w in ("cats", "rain", "trains", "tea", "
 SP = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cluster(tiny_pair, tmp_path_factory):
     replicas = [start_server(Engine(tiny_config(tiny_pair))) for _ in range(2)]
-    port = _free_port()
+    port = free_loopback_port()  # outside the ephemeral range: no connect meets itself
     log = tmp_path_factory.mktemp("router") / "router.log"
     with open(log, "w") as out:
         router = subprocess.Popen(

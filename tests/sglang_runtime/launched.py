@@ -6,6 +6,7 @@ before it is done or, where the tests allow, while it is tested (a start costs 4
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import subprocess
@@ -49,7 +50,7 @@ class LaunchedServer:
             try:
                 with urllib.request.urlopen(self.url + "/health_generate", timeout=30):
                     return
-            except OSError:
+            except (OSError, http.client.HTTPException):
                 time.sleep(1.0)
         raise TimeoutError(self.log.read_text(errors="replace")[-8000:])
 
