@@ -357,6 +357,9 @@ def merge_loops(parts: list[dict]) -> dict:
     made = sum(p.get("made", p["tokens"]) for p in parts)
     return {**out, "made": made, "slices": len(parts),
             "tok_s": out["tokens"] / out["wall"],
+            # each slice's own tok/s, in order (`paired_slices`)
+            "slice_tok_s": [t for p in parts for t in p.get("slice_tok_s",
+                                                            [p["tokens"] / p["wall"]])],
             "steady_tok_s": out["steady_tokens"] / out["steady_s"],
             "accept_len": made / out["verify_ct"] if out["verify_ct"] else None,
             "mean_k": out["drafted"] / out["draft_steps"] if out["draft_steps"] else None}
@@ -482,6 +485,16 @@ def run_systems(systems: list[str], python: str, target: str, draft: str,
     return out
 
 
+def paired_slices(mine: list[dict], other: list[dict]) -> list[float]:
+    """tok/s ratios of one system to another, slice by slice over every repeat of a cell:
+    the same slice of the same repeat ran on the two servers in one turn, seconds apart,
+    from the same prompts. On the Xeon VM whose speed swings by 20-40% within a minute (a
+    fixed matrix product's rate per second: 0.86-1.27 of its median, 2026-12-02) a ratio of
+    whole cells carries that swing; one of adjacent slices much less of it."""
+    return [a / b for x, y in zip(mine, other)
+            for a, b in zip(x["slice_tok_s"], y["slice_tok_s"])]
+
+
 def cell_order(runs: list, rep: int) -> list:
     """The order in which repeat `rep` measures the systems: pairs of repeats run one rotation
     forward, then backward (A B C, C B A; then B C A, A C B ...), so a machine whose speed
@@ -551,8 +564,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(BENCHMARKS.md), which repeats on one start do not sample")
     p.add_argument("--slices", type=int, default=1,
                    help="with --interleave, cut each (repeat, level) loop into this many "
-                        "slices (1-4) and measure the systems in turn at every slice: a "
-                        "machine whose speed swings within minutes moves all alike")
+                        "slices (1-4; 1-32 timed, --seconds) and measure the systems in turn "
+                        "at every slice: a machine whose speed swings within minutes moves "
+                        "all alike")
     p.add_argument("--seconds", type=float, default=None,
                    help="time each cell's loop (each slice's, with --slices) instead of "
                         "counting its requests: C clients for this many seconds, then the "
@@ -564,8 +578,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the first system's port (interleaved: one port per system)")
     p.add_argument("--out", default="out/bench_sglang_specserve.json")
     args = p.parse_args(argv)
-    if not 1 <= args.slices <= 4:  # a slice keeps at least C requests (max(4 C, 8) a cell)
-        p.error(f"argument --slices: {args.slices} is not in 1..4")
+    # a counted slice keeps at least C requests (max(4 C, 8) a cell); a timed one its seconds
+    if not 1 <= args.slices <= (4 if args.seconds is None else 32):
+        p.error(f"argument --slices: {args.slices} is not in 1..4 (1..32 with --seconds)")
     if args.slices > 1 and not args.interleave:
         p.error("argument --slices: needs --interleave (the systems take turns per slice)")
     if args.seconds is not None and not args.seconds >= 5:
@@ -671,6 +686,15 @@ def main(argv: list[str] | None = None) -> int:
                                                                    results["plain"][c])]
                 line += (f" (per repeat {' '.join(f'{x - 1:+.1%}' for x in paired)}, "
                          f"median {statistics.median(paired) - 1:+.1%})")
+            theirs = sorted((s2 for s2 in m if not ours(s2)), key=lambda s2: -m[s2])
+            # paired slice by slice (`paired_slices`): against plain and the best of SGLang's
+            for o in dict.fromkeys([x for x in ("plain", *theirs[:1]) if x in m]):
+                if metric == "tok_s":
+                    ratios = paired_slices(results[s][c], results[o][c])
+                    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+                    line += (f"; slice by slice vs {o}: median "
+                             f"{statistics.median(ratios) - 1:+.1%} (quartiles "
+                             f"{q[0] - 1:+.1%} {q[2] - 1:+.1%}, {len(ratios)} pairs)")
             print(line)
     save(results, complete=True)
     return 0

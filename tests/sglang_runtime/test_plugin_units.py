@@ -338,6 +338,22 @@ def test_a_cells_slices_add_up_to_one_loop():
     assert plain["tok_s"] == pytest.approx(5.0)
 
 
+def test_slices_are_paired_one_by_one_across_repeats():
+    """A cell keeps each slice's own rate (merging merged cells keeps them in order), and
+    `paired_slices` divides the two systems' rates slice by slice over the repeats: a swing
+    of the machine's speed shared by the two slices of one turn cancels."""
+    from sloserve.bench.sglang_specserve import merge_loops, paired_slices
+
+    def cell(*rates: float) -> dict:  # one slice of 2 s per rate
+        return merge_loops([merge_loops([_loop_sums(wall=2.0, tokens=2 * r)]) for r in rates])
+
+    fast_then_slow = cell(120.0, 60.0)  # the machine halves its speed between the slices
+    assert fast_then_slow["slice_tok_s"] == pytest.approx([120.0, 60.0])
+    mine = [fast_then_slow, cell(110.0, 55.0)]
+    base = [cell(100.0, 50.0), cell(100.0, 50.0)]
+    assert paired_slices(mine, base) == pytest.approx([1.2, 1.2, 1.1, 1.1])
+
+
 def test_slices_take_turns_and_cover_the_cells_requests_once(monkeypatch, tmp_path):
     """--slices 3 --interleave: every cell runs each system's slices in turn (the order of
     cell_order per slice, so each system goes first in some slice), and the slices of a cell
