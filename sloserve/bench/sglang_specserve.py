@@ -490,7 +490,8 @@ def paired_slices(mine: list[dict], other: list[dict]) -> list[float]:
     the same slice of the same repeat ran on the two servers in one turn, seconds apart,
     from the same prompts. On the Xeon VM whose speed swings by 20-40% within a minute (a
     fixed matrix product's rate per second: 0.86-1.27 of its median, 2026-12-02) a ratio of
-    whole cells carries that swing; one of adjacent slices much less of it."""
+    whole cells carries that swing; one of adjacent slices less of it, though the pairs of
+    8 s slices still spread +-10% there (the swings are faster than a turn of the systems)."""
     return [a / b for x, y in zip(mine, other)
             for a, b in zip(x["slice_tok_s"], y["slice_tok_s"])]
 
