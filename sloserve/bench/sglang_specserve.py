@@ -689,13 +689,13 @@ def main(argv: list[str] | None = None) -> int:
                          f"median {statistics.median(paired) - 1:+.1%})")
             theirs = sorted((s2 for s2 in m if not ours(s2)), key=lambda s2: -m[s2])
             # paired slice by slice (`paired_slices`): against plain and the best of SGLang's
-            for o in dict.fromkeys([x for x in ("plain", *theirs[:1]) if x in m]):
-                if metric == "tok_s":
-                    ratios = paired_slices(results[s][c], results[o][c])
-                    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-                    line += (f"; slice by slice vs {o}: median "
-                             f"{statistics.median(ratios) - 1:+.1%} (quartiles "
-                             f"{q[0] - 1:+.1%} {q[2] - 1:+.1%}, {len(ratios)} pairs)")
+            against = [x for x in ("plain", *theirs[:1]) if x in m] if metric == "tok_s" else []
+            for o in dict.fromkeys(against):
+                ratios = paired_slices(results[s][c], results[o][c])
+                q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+                line += (f"; slice by slice vs {o}: median "
+                         f"{statistics.median(ratios) - 1:+.1%} (quartiles "
+                         f"{q[0] - 1:+.1%} {q[2] - 1:+.1%}, {len(ratios)} pairs)")
             print(line)
     save(results, complete=True)
     return 0

@@ -27,6 +27,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from sloserve.listen import ListenError, check_free
 from sloserve.policies.registry import (
@@ -283,7 +284,7 @@ def _port_draw_range() -> tuple[int, int]:
     (Linux: /proc/sys/net/ipv4/ip_local_port_range, 32768-60999 by default), or above it
     when it starts too low to leave a thousand; 20000-59999 where it cannot be read."""
     try:
-        first, last = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        first, last = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
     except (OSError, ValueError):
         return 20000, 59999
     if first - 20000 >= 1000:
@@ -296,7 +297,6 @@ def _port_draw_range() -> tuple[int, int]:
 def _vocab_size(cmd: list[str]) -> int | None:
     """The target model's vocabulary size, from its config.json (None: unknown)."""
     import json
-    from pathlib import Path
 
     try:
         path = Path(cmd[cmd.index("--model-path") + 1]) / "config.json"

@@ -45,12 +45,17 @@ def isotonic(values: list[float], weights: list[float]) -> list[float]:
     return out
 
 
+# the calibration map is refitted on every update until it holds this many samples
+EARLY_SAMPLES = 256
+
+
 class ConfidenceCalibrator:
     """Online monotone map g: draft confidence -> conditional acceptance probability.
 
-    Confidences fall in n_bins equal bins over [0, 1]. Each bin starts with prior_weight
-    pseudo-observations at its centre, so g starts as the identity (the paper's assumption),
-    and learns from verify outcomes: every verified draft position up to and including the
+    Confidences fall in n_bins equal bins over [0, 1]. Each bin has prior_weight
+    pseudo-observations at its prior: its centre scaled by the pooled evidence of all bins
+    (prior_map), so g starts as the identity (the paper's assumption), and learns from
+    verify outcomes: every verified draft position up to and including the
     first rejection is one Bernoulli sample of "accepted given all earlier accepted" with its
     confidence. Positions after the first rejection (or never verified) say nothing about
     the conditional probability and are skipped. The per-bin rates are made non-decreasing
@@ -60,7 +65,7 @@ class ConfidenceCalibrator:
     so the map keeps tracking a drifting workload. The map is refitted every `refit_every`
     updates (verify steps): it moves slowly, and a refit with pool-adjacent-violators costs
     tens of microseconds, a sizeable share of the controller's per-step time if done every
-    step.
+    step (until it holds EARLY_SAMPLES samples it is refitted on every update).
     """
 
     def __init__(
@@ -118,7 +123,9 @@ class ConfidenceCalibrator:
         code += (pos < acc)[mask] * n
         self.counts += np.bincount(code.astype(np.intp), minlength=2 * n).reshape(2, n)
         self._updates += 1
-        if self._updates % self.refit_every == 0:
+        # early on, when each sample moves the map most, refit on every update: every
+        # `refit_every` verify steps are many seconds where steps rarely verify (C = 1)
+        if self._updates % self.refit_every == 0 or self.counts.sum() < EARLY_SAMPLES:
             total = self.counts.sum()
             if total > self.max_count:
                 self.counts *= self.max_count / total
@@ -138,10 +145,26 @@ class ConfidenceCalibrator:
         self.counts += counts
         self.refit()
 
+    def prior_map(self) -> np.ndarray:
+        """[n_bins] each bin's prior: the identity scaled down by the pooled evidence, by
+        (accepted + k) / (the accepted the identity predicts for the samples + k) where that
+        is below 1, k = prior_weight x 4 pseudo-samples. A bin with few samples of its own
+        then starts where the draft's other confidences say, not at the identity: a draft
+        whose confidences mean little (3 of the distilled draft's 4 layers silenced: 0.08
+        accepted a drafting step at C = 1) kept verifying, bin by bin, tokens the target
+        rejected (2026-12-02, BENCHMARKS.md). Only down: a draft that is accepted more often
+        than its confidences say keeps the identity where it has no samples, as a
+        calibrated one does (raised, the empty top bins said a chain of 7 would hold)."""
+        k = 4.0 * self.prior_weight
+        expected = float(self.total @ self.centers)
+        if expected + k <= 0.0:
+            return self.centers
+        return self.centers * min((float(self.hits.sum()) + k) / (expected + k), 1.0)
+
     def refit(self) -> None:
         """Refit the map from the counts now (otherwise every `refit_every` updates)."""
         w = self.total + self.prior_weight  # [n_bins]
-        rate = (self.hits + self.prior_weight * self.centers) / w
+        rate = (self.hits + self.prior_weight * self.prior_map()) / w
         if np.all(np.diff(rate) >= 0.0):
             self._table = rate
         else:

@@ -47,7 +47,8 @@ speculation is off) returns to the profile within a few hundred steps, so a pess
 price learned from a few slow steps cannot turn speculation off for good. A sample more
 than `clip` times off the current prediction is clipped to that ratio (a GC pause or a
 preempted step must not swing the fit), and every scale stays in
-[1 / max_scale, max_scale] (v: in [0, max_scale x the profile's], or up to a plain forward).
+[1 / max_scale, max_scale] (v: within max_scale of the profile's, or up to a plain forward;
+theta_verify within max_scale^2).
 """
 
 from __future__ import annotations
@@ -156,6 +157,14 @@ class StepCostCorrection:
             self.tok2 = self._typical(self.tok2, x[1] * x[1])
         self.plain_typ = self._typical(self.plain_typ, x[0])
         v0 = self.verify_fixed_prior
+        # the bounds (each scale within max_scale of the profile, theta_verify's wider: the
+        # profile's one b is furthest off there, 3x at batch 1; v within max_scale of the
+        # profile's below, and above up to max_scale x it or one plain forward where that
+        # is more: on a 2-core AMD EPYC (AVX2, float32) a batch-1 verify of two tokens took
+        # ~290 ms against ~170 ms for the decode forward of one, 7x the profiled 16 ms).
+        # v's floor: one fast verify step among few once set v to 0 and theta_verify to its
+        # floor (its prior had faded to the ridge), and the plan then drafted 32 steps in a
+        # row at batch 1 that accepted next to nothing (2026-12-02, BENCHMARKS.md)
         prior_w = np.array([lam, w * self.tok2 if self.tok2 > 0.0 else lam, w])
         A = self.sxx3 + np.diag(prior_w)
         b = self.sxy3 + prior_w * np.array([1.0, 1.0, v0])
@@ -163,16 +172,14 @@ class StepCostCorrection:
             theta = np.linalg.solve(A, b)
         except np.linalg.LinAlgError:
             return
+        # each clamped on its own, not refitted given the others' bounds: with theta_target
+        # at its bound (a rough estimate more than max_scale off), a refit would move the
+        # decode forward's misfit into v; clamped alone, v stays the verify path's price
+        # over a decode forward, the difference the plan weighs
         self.theta_target = self._bound(float(theta[0]))
-        # (a wider bound: the profile's one b is furthest off here, 3x at batch 1)
         self.theta_verify = min(max(float(theta[1]), self.max_scale ** -2), self.max_scale ** 2)
-        # v: at most max_scale times the profile's, or one plain forward where that is more.
-        # The verify path can cost far more than a profile's median says: on a 2-core AMD
-        # EPYC (AVX2, float32) a batch-1 verify of two tokens took ~290 ms against ~170 ms
-        # for the decode forward of one (the linear layers leave their one-row path), 7x the
-        # profiled 16 ms, which the old bound of 2x held at 32 ms (the plan drafted at a loss)
         v_max = max(self.max_scale * v0, self.plain_typ)
-        self.verify_fixed = min(max(float(theta[2]), 0.0), v_max)
+        self.verify_fixed = min(max(float(theta[2]), v0 / self.max_scale), v_max)
 
     def _observe_draft(self, draft: float, measured_draft: float | None) -> tuple[float, float]:
         """Fade every sum by one step and fit theta_draft on this step's drafting. Returns

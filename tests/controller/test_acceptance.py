@@ -57,8 +57,26 @@ def test_calibrator_ignores_positions_after_the_first_rejection():
     cal.update(conf, np.full(50, 4), np.zeros(50, dtype=int))  # all rejected at position 1
     cal.refit()
     assert cal.total.sum() == 50
-    assert cal(np.array([0.95]))[0] == pytest.approx(0.95, abs=1e-9)  # untouched prior
+    top = int(0.95 * cal.n_bins)
+    assert cal.total[top] == 0  # no sample there: its value is the prior's
+    assert cal.table[top] == pytest.approx(cal.prior_map()[top], abs=1e-9)
     assert cal(np.array([0.25]))[0] < 0.05
+
+
+def test_a_draft_whose_confidences_mean_little_is_learned_in_every_bin():
+    """A draft confident at 0.7-0.9 whose tokens the target accepts 1 time in 10 (the
+    weak draft's at C = 1): after 40 verified tokens every bin, those without samples
+    too, maps to less than half its confidence, where the identity prior per bin left
+    the empty bins at their confidence. A calibrated draft keeps the identity prior."""
+    rng = np.random.default_rng(4)
+    weak, calibrated = ConfidenceCalibrator(), ConfidenceCalibrator()
+    for _ in range(40):
+        conf = rng.uniform(0.7, 0.9, (1, 1))
+        weak.update(conf, np.ones(1, dtype=int), (rng.random(1) < 0.1).astype(int))
+        calibrated.update(conf, np.ones(1, dtype=int), (rng.random(1) < conf[:, 0]).astype(int))
+    c = np.array([0.3, 0.5, 0.65, 0.8, 0.95])
+    assert np.all(weak(c) < 0.5 * c)
+    np.testing.assert_allclose(calibrated.prior_map(), calibrated.centers, rtol=0.15)
 
 
 def test_isotonic_pools_violators():

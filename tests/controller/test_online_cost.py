@@ -282,6 +282,21 @@ def test_a_verify_path_far_dearer_than_profiled_is_learned_up_to_a_plain_forward
     assert worse.verify_fixed <= 0.17 * 1.001
 
 
+def test_one_fast_verify_step_does_not_price_the_verify_path_at_nothing():
+    """SGLang's CPU engine at batch 1 with a weak draft (2026-12-02): hundreds of decode
+    steps, then one verify step that ran faster than the decode steps around it (this
+    machine's speed swings 0.86-1.27x second to second). v's prior had faded to the ridge,
+    so that one step set v to 0 and theta_verify to its floor, and the plan then drafted
+    32 steps in a row that accepted next to nothing. v stays within max_scale of the
+    profile's, as the scales do."""
+    c = StepCostCorrection(verify_fixed=0.006)
+    for _ in range(300):
+        c.observe(0.08, 0.0, 0.0815, measured_target=0.08)
+    c.observe(0.082, 0.0, 0.072, measured_target=0.0705, verify_part=0.002)
+    assert c.verify_fixed >= 0.006 / c.max_scale
+    assert c.theta_target == pytest.approx(1.0, rel=0.02)
+
+
 def test_verified_tokens_learnt_at_batch_1_are_not_overpriced_at_batch_16():
     """SGLang's CPU engine: a verified token costs ~5 ms at batch 1 and ~1.5 ms at 16
     against one profiled b of 2.2 ms. A policy that speculates at batch 1 first learns one
