@@ -598,7 +598,10 @@ def main(argv: list[str] | None = None) -> int:
     assert maybe_draft is not None
     draft = maybe_draft
     python = sglang_python()
-    logs = Path(args.out).parent / "sglang_specserve_logs"
+    # each run's own folder: a shared one let the next run's servers overwrite the last
+    # run's timings lines (2026-12-02)
+    out = Path(args.out)
+    logs = out.with_name(f"{out.stem}_logs")
     logs.mkdir(parents=True, exist_ok=True)
     # measured on 2 cores: a smollm2 server starts (one after another) in 3-5.5 min on the
     # Intel Xeons, 5-11 min on the AMD EPYC (AVX2); a counted (system, level, repeat) cell
