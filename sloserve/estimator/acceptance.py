@@ -45,10 +45,6 @@ def isotonic(values: list[float], weights: list[float]) -> list[float]:
     return out
 
 
-# the calibration map is refitted on every update until it holds this many samples
-EARLY_SAMPLES = 256
-
-
 class ConfidenceCalibrator:
     """Online monotone map g: draft confidence -> conditional acceptance probability.
 
@@ -65,7 +61,7 @@ class ConfidenceCalibrator:
     so the map keeps tracking a drifting workload. The map is refitted every `refit_every`
     updates (verify steps): it moves slowly, and a refit with pool-adjacent-violators costs
     tens of microseconds, a sizeable share of the controller's per-step time if done every
-    step (until it holds EARLY_SAMPLES samples it is refitted on every update).
+    step.
     """
 
     def __init__(
@@ -123,9 +119,7 @@ class ConfidenceCalibrator:
         code += (pos < acc)[mask] * n
         self.counts += np.bincount(code.astype(np.intp), minlength=2 * n).reshape(2, n)
         self._updates += 1
-        # early on, when each sample moves the map most, refit on every update: every
-        # `refit_every` verify steps are many seconds where steps rarely verify (C = 1)
-        if self._updates % self.refit_every == 0 or self.counts.sum() < EARLY_SAMPLES:
+        if self._updates % self.refit_every == 0:
             total = self.counts.sum()
             if total > self.max_count:
                 self.counts *= self.max_count / total
