@@ -15,7 +15,7 @@ This file is the contract between the profiler (which fits the coefficients), th
 from __future__ import annotations
 
 from bisect import bisect_right
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 
@@ -70,11 +70,13 @@ class CostModel:
     # priced them at twice their cost at batch 16 (and speculation off). The SGLang profiler
     # measures it per batch size (cli/sglang_profile.py); empty: target.b at every batch
     verify_token: tuple[tuple[float, float], ...] = ()
+    # True: a stand-in from the models' shapes (rough_cost), no measurement of this machine;
+    # the online correction may then move it by ROUGH_MAX_SCALE, not a profile's 2x
+    rough: bool = False
 
     def without_draft(self) -> CostModel:
         """The same costs with a drafter that runs no forward (the n-gram drafter)."""
-        return CostModel(self.target, ForwardCost.free(), self.overhead, self.verify_fixed,
-                         self.token_scale, self.verify_token)
+        return replace(self, draft=ForwardCost.free())
 
     def token_time(self, batch: float) -> float:
         """Seconds one more verified draft token adds to the target forward of a decode
@@ -126,4 +128,5 @@ def rough_cost(target_cfg: ModelShape, draft_cfg: ModelShape | None) -> CostMode
         ) + 2 * cfg.vocab_size * cfg.hidden_size
         return ForwardCost(a=2e-9 * cfg.num_layers, b=2 * params / 100e9, c=4 * params / 40e9 + 1e-4 * cfg.num_layers)
 
-    return CostModel(fc(target_cfg), fc(draft_cfg) if draft_cfg else ForwardCost.free(), 5e-4)
+    return CostModel(fc(target_cfg), fc(draft_cfg) if draft_cfg else ForwardCost.free(), 5e-4,
+                     rough=True)

@@ -55,6 +55,13 @@ from __future__ import annotations
 
 import numpy as np
 
+# the bound of every scale over a rough estimate (CostModel.rough: from the models' shapes,
+# no profile), where a profile's is 2: SGLang's float32 decode forward on a 2-core Xeon ran
+# 2-3x rough_cost's at batch 1-4 (2026-12-02: 44-67 ms against 22.5), an AVX2-only EPYC's
+# ~2x that again, and a GPU's forwards run far below it; held at 2, the step's price sat at
+# its bound and the plan priced every step a third too low
+ROUGH_MAX_SCALE = 8.0
+
 
 class StepCostCorrection:
     def __init__(self, forget: float = 0.98, prior_weight: float = 8.0, ridge: float = 0.25,

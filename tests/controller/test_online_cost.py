@@ -333,3 +333,30 @@ def test_verified_tokens_learnt_at_batch_1_are_not_overpriced_at_batch_16():
             for name, p in policies.items()}
     assert at16["by_batch"] == pytest.approx(1.5e-3, rel=0.1)
     assert at16["flat"] > 2.5 * at16["by_batch"]
+
+
+@pytest.mark.parametrize("rough", [False, True])
+def test_a_rough_estimate_is_corrected_past_a_profiles_bound(rough):
+    """Without a profile the cost is rough_cost's, from the models' shapes: SGLang's float32
+    decode forward on a 2-core Xeon ran 2-3x it at batch 1-4 (2026-12-02), and the step's
+    scale sat at a profile's bound, 2, so every step was priced a third too low. A rough
+    estimate's scales may move ROUGH_MAX_SCALE; a profile's stay within 2x."""
+    cost = dataclasses.replace(COST, rough=rough)
+    policy = SpecServePolicy(cost, 4, prior=0.0)  # predicts nothing: plain steps only
+    for _ in range(300):
+        step = make_step(4, context=256)
+        plan = policy.plan(step)
+        assert not plan.drafting.any()
+        truth = StepTimer(cost, step, lag_cap=policy.options.lag_cap).plain
+        zeros = np.zeros(4, dtype=np.int64)
+        policy.observe(plan, VerifyOutcome(
+            drafted=zeros, verified=zeros, accepted=zeros, confidences=np.zeros((4, 0)),
+            step_time=3.0 * truth, draft_time=0.0, verify_time=3.0 * (truth - cost.overhead)))
+    theta_target = policy.correction.theta_target
+    if rough:
+        assert theta_target == pytest.approx(3.0, rel=0.02)
+        step = make_step(4, context=256)
+        assert StepTimer(policy.plan(step).cost, step).plain == pytest.approx(3.0 * truth,
+                                                                             rel=0.02)
+    else:
+        assert theta_target == 2.0
