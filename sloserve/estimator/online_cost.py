@@ -61,11 +61,13 @@ import numpy as np
 # ~2x that again, and a GPU's forwards run far below it; held at 2, the step's price sat at
 # its bound and the plan priced every step a third too low
 ROUGH_MAX_SCALE = 8.0
+# the bound over a measured profile's costs: a profile from this machine is off by less
+PROFILE_MAX_SCALE = 2.0
 
 
 class StepCostCorrection:
     def __init__(self, forget: float = 0.98, prior_weight: float = 8.0, ridge: float = 0.25,
-                 clip: float = 2.0, max_scale: float = 2.0, verify_fixed: float = 0.0) -> None:
+                 clip: float = 2.0, max_scale: float = PROFILE_MAX_SCALE, verify_fixed: float = 0.0) -> None:
         if not 0.0 < forget <= 1.0:
             raise ValueError(f"forget must be in (0, 1], got {forget}")
         self.forget = forget

@@ -22,7 +22,7 @@ import numpy as np
 
 from sloserve.estimator.acceptance import ConfidenceCalibrator
 from sloserve.estimator.cost_model import CostModel
-from sloserve.estimator.online_cost import ROUGH_MAX_SCALE, StepCostCorrection
+from sloserve.estimator.online_cost import PROFILE_MAX_SCALE, ROUGH_MAX_SCALE, StepCostCorrection
 from sloserve.estimator.step_time import draft_time
 from sloserve.policies.request_table import RequestTable
 from sloserve.policies.specserve.options import CALIBRATE_EVERY, PRIOR_EMA, SpecServeOptions
@@ -58,7 +58,8 @@ class SpecServePolicy(SpecPolicy):
         self.prior = opts.prior
         self.correction = (StepCostCorrection(
             verify_fixed=cost.verify_fixed,
-            max_scale=ROUGH_MAX_SCALE if cost.rough else 2.0) if opts.correct_cost else None)
+            max_scale=ROUGH_MAX_SCALE if cost.rough else PROFILE_MAX_SCALE)
+            if opts.correct_cost else None)
         self.prices = Prices(cost)
         self.guard = OverrunGuard(opts.overrun_window, opts.initial_overrun)
         self._outcomes: list[tuple] = []  # verify outcomes not counted into g yet
