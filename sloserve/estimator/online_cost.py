@@ -67,7 +67,8 @@ PROFILE_MAX_SCALE = 2.0
 
 class StepCostCorrection:
     def __init__(self, forget: float = 0.98, prior_weight: float = 8.0, ridge: float = 0.25,
-                 clip: float = 2.0, max_scale: float = PROFILE_MAX_SCALE, verify_fixed: float = 0.0) -> None:
+                 clip: float = 2.0, max_scale: float = PROFILE_MAX_SCALE,
+                 verify_fixed: float = 0.0) -> None:
         if not 0.0 < forget <= 1.0:
             raise ValueError(f"forget must be in (0, 1], got {forget}")
         self.forget = forget
