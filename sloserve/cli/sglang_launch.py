@@ -43,7 +43,7 @@ from sloserve.sglang_cpu.cpu_server import (
     server_env,
 )
 from sloserve.sglang_ext import settings
-from sloserve.sglang_ext.cpu_weights import layout_from_env
+from sloserve.sglang_ext.cpu_weights import draft_dtype_from_env, layout_from_env
 from sloserve.sglang_ext.guard_limits import GuardLimits
 from sloserve.spec_config import DEFAULTS, SpeculationConfig
 from sloserve.units import duration
@@ -141,6 +141,7 @@ def sglang_args(argv: Sequence[str], bind: tuple[str, int] | None = None
         parser.error("argument --max-top-logprobs-num: must be >= 0")
     try:  # read again by the plugin in each SGLang process, which could only log it
         layout_from_env()
+        draft_dtype_from_env()
     except ValueError as e:
         parser.error(str(e))
     if bind is not None:

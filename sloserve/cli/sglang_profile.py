@@ -111,7 +111,8 @@ def fit_rows(rows: Sequence[dict], target_path: str, draft_path: str | None, dev
         target=ModelProfile(target_path, fingerprint(target_path), t_cost, t_fit.stats),
         draft=ModelProfile(draft_path, fingerprint(draft_path), d_fit.cost, d_fit.stats)
         if draft_path is not None else ModelProfile("ngram", "", d_fit.cost, d_fit.stats),
-        device=settings.sglang_device_key(device), dtype=dtype, overhead=max(0.0, overhead),
+        device=settings.sglang_device_key(device, draft_path is not None), dtype=dtype,
+        overhead=max(0.0, overhead),
         verify_fixed=verify_fixed,
         grid={"concurrency": list(levels), "steps": [len(rows)]}, mode="sglang-sweep",
         calibration=calibration, verify_token=verify_token,

@@ -151,7 +151,7 @@ class AlignedDraft:
         replace_methods(self.dw, _draft_extend_for_prefill=self.prefill_extend,
                         draft=self.draft, _draft_extend_for_decode=self.decode_extend)
 
-    def use_hot_vocab(self, hot: torch.Tensor) -> bool:
+    def use_hot_vocab(self, hot: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
         """Cut the draft's LM head to the rows of `hot` ([N] int64 token ids, the draft's
         most frequent answer tokens): each draft forward's head then reads N rows of the
         [V, H] matrix instead of V (SmolLM2: 49,152 x 576 in float32 is 113 MB, two thirds
@@ -159,7 +159,10 @@ class AlignedDraft:
         target verifies as ever, so greedy output is unchanged and sampling keeps the
         target's distribution (q is the cut head's, zero off the hot set). Its input
         embedding stays whole. False (nothing changed) for a head SGLang packed for AMX
-        kernels, whose rows are not the weight's rows."""
+        kernels, whose rows are not the weight's rows. dtype: the cut head's (bf16 with the
+        draft's bf16 linears, cpu_weights.bf16_draft_linears: SGLang's logits processor
+        multiplies in the head's dtype, so its logits come out bf16 and `logits32` casts
+        them back)."""
         model = self.dw.draft_runner.model
         head = model.lm_head
         if getattr(head, "use_intel_amx_backend", False) or not hasattr(head, "weight"):
@@ -170,9 +173,12 @@ class AlignedDraft:
         if hot.ndim != 1 or not len(hot) or int(hot.min()) < 0 \
                 or int(hot.max()) >= self.vocab_size:
             raise ValueError(f"hot vocabulary: token ids outside [0, {self.vocab_size})")
-        rows = weight.index_select(0, hot)  # [N, H], in the whole head's memory order
-        model.lm_head = _RowsHead(column_major(rows) if is_column_major(weight)
-                                  else rows.contiguous())
+        rows = weight.index_select(0, hot).contiguous()  # [N, H]
+        if dtype != weight.dtype:  # row-major: bf16 GEMMs run fastest on it
+            rows = rows.to(dtype)
+        elif is_column_major(weight):  # the whole head's memory order
+            rows = column_major(rows)
+        model.lm_head = _RowsHead(rows)
         self.hot = hot
         return True
 
@@ -230,7 +236,7 @@ class AlignedDraft:
         fb = ForwardBatch.init_new(cb, dw.draft_runner, capture_hidden_mode=CaptureHiddenMode.NULL,
                                    return_hidden_states_before_norm=False)
         fb.return_logprob = False
-        logits = dw.draft_runner.forward(fb).logits_output.next_token_logits  # [bs, V]
+        logits = logits32(dw.draft_runner.forward(fb).logits_output.next_token_logits)  # [bs, V]
         self.book.written(slots)
         self.book.caught_up(rows)
         missed = cb.extend_num_tokens - bs
@@ -328,7 +334,8 @@ class AlignedDraft:
                 fb.out_cache_loc = locs[i]
                 with forward_context(ForwardContext(attn_backend=backend.attn_backends[i]),
                                      forward_batch=fb):
-                    logits = dw.draft_runner.forward(fb).logits_output.next_token_logits
+                    logits = logits32(dw.draft_runner.forward(fb).logits_output
+                                      .next_token_logits)
             # logits [bs, V], or [bs, N] over the hot vocabulary (use_hot_vocab)
             conf: torch.Tensor | None
             if sampled:
@@ -446,6 +453,11 @@ class NgramDraft(AlignedDraft):
         nxt = batch_result.next_draft_input
         stub = self._next_input(len(batch.seq_lens), nxt.bonus_tokens)
         nxt.topk_p, nxt.topk_index, nxt.hidden_states = stub.topk_p, stub.topk_index, None
+
+
+def logits32(logits: torch.Tensor) -> torch.Tensor:
+    """A draft forward's logits in float32 (a bf16 head's come out bf16)."""
+    return logits if logits.dtype == torch.float32 else logits.float()
 
 
 class _RowsHead(torch.nn.Module):

@@ -25,7 +25,7 @@ from sloserve.estimator.profile_file import Profile, find_profile, model_key, re
 from sloserve.estimator.profile_lookup import default_dirs, device_key, fingerprint
 from sloserve.policies.registry import make_policy
 from sloserve.sglang_ext.controller import StepController
-from sloserve.sglang_ext.cpu_weights import layout_from_env
+from sloserve.sglang_ext.cpu_weights import draft_dtype_from_env, layout_from_env
 from sloserve.spec_config import SpeculationConfig
 
 log = logging.getLogger(__name__)
@@ -118,13 +118,18 @@ def worker_config() -> WorkerConfig:
     return WorkerConfig.from_json(raw) if raw else WorkerConfig()
 
 
-def sglang_device_key(device: str) -> str:
+def sglang_device_key(device: str, draft_model: bool = True) -> str:
     """The device part of an SGLang profile's key. On a CPU the plugin stores float32 linear
     weights column-major by default (cpu_weights.py), which changes every forward's cost:
-    "-wcol" then; a profile measured with SGLang's row-major weights keeps the plain key."""
+    "-wcol" then; a profile measured with SGLang's row-major weights keeps the plain key.
+    A draft model whose matmuls run in bf16 there (draft_model: the pair has one;
+    SLOSERVE_CPU_DRAFT_DTYPE, cpu_weights.py) drafts at another price: "-dbf16" after it."""
     key = f"sglang-{device_key(device)}"
-    if device.startswith("cpu") and layout_from_env() == "column":
-        key += "-wcol"
+    if device.startswith("cpu"):
+        if layout_from_env() == "column":
+            key += "-wcol"
+        if draft_model and draft_dtype_from_env() == "bfloat16":
+            key += "-dbf16"
     return key
 
 
@@ -136,7 +141,7 @@ def find_sglang_profile(target_path: str, draft_path: str | None, device: str,
         return read_profile(explicit)
     keys = (model_key(target_path, fingerprint(target_path)),
             model_key(draft_path, fingerprint(draft_path)) if draft_path else "ngram",
-            sglang_device_key(device), dtype)
+            sglang_device_key(device, draft_path is not None), dtype)
     for d in default_dirs():
         path = find_profile(d, *keys)
         if path is not None:

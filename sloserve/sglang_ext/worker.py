@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -43,6 +44,11 @@ from sloserve.runtime.models.config import hot_vocab
 from sloserve.sglang_ext import settings
 from sloserve.sglang_ext.chain_sampling import greedy_chains, processed_probs, verify_chains
 from sloserve.sglang_ext.controller import SGLangStep, SGLangStepsPolicy, StepController
+from sloserve.sglang_ext.cpu_weights import (
+    DRAFT_DTYPE_ENV,
+    bf16_draft_linears,
+    draft_dtype_from_env,
+)
 from sloserve.sglang_ext.draft_chain import (
     AlignedDraft,
     NgramDraft,
@@ -138,9 +144,18 @@ class SpecServeWorker(StandaloneWorkerV2):  # type: ignore[misc]  # SGLang is un
                                        if self.per_request and not self.lookup_first else None),
                              on_stop=self._rounds_done, on_catch_up=self._caught_up)
         self.aligned.install()
+        # the draft's matmuls in bf16 where the CPU multiplies bf16 in hardware (its KV,
+        # norms and attention stay float32; the target's forwards are untouched)
+        head_dtype = torch.float32
+        if (cfg.drafter == "model" and dev.type == "cpu" and dtype == "float32"
+                and draft_dtype_from_env() == "bfloat16"):
+            n = bf16_draft_linears(dw.draft_runner.model)
+            head_dtype = torch.bfloat16
+            logger.info("SPECSERVE: the draft's %d linear layers multiply in bf16 (%s=%s)", n,
+                        DRAFT_DTYPE_ENV, os.environ.get(DRAFT_DTYPE_ENV, "auto"))
         hot = hot_vocab(draft_path) if cfg.drafter == "model" else None
         if hot is not None:
-            if self.aligned.use_hot_vocab(torch.as_tensor(hot)):
+            if self.aligned.use_hot_vocab(torch.as_tensor(hot), head_dtype):
                 logger.info("SPECSERVE: the draft's LM head cut to its %d hot tokens (%s)",
                             len(hot), draft_path)
             else:

@@ -13,8 +13,12 @@ import torch.nn.functional as F
 from sloserve.cli.sglang_launch import sglang_args
 from sloserve.sglang_ext import settings
 from sloserve.sglang_ext.cpu_weights import (
+    DRAFT_DTYPE_ENV,
     LAYOUT_ENV,
+    Bf16Linear,
+    bf16_draft_linears,
     column_major,
+    draft_dtype_from_env,
     is_column_major,
     layout_from_env,
     relayout_linear_weights,
@@ -83,6 +87,7 @@ def test_relayout_changes_linears_and_the_tied_head_once_in_place():
 
 def test_the_layout_switch_and_the_profile_key_follow_the_environment(monkeypatch):
     monkeypatch.delenv(LAYOUT_ENV, raising=False)
+    monkeypatch.setenv(DRAFT_DTYPE_ENV, "float32")
     assert layout_from_env() == "column"
     assert settings.sglang_device_key("cpu").endswith("-wcol")
     monkeypatch.setenv(LAYOUT_ENV, "ROW")
@@ -120,3 +125,80 @@ def test_the_layout_benchmark_runs_both_layouts_on_the_same_products(tmp_path):
                for r in results)
     with pytest.raises(SystemExit):
         main(["--rows", "0"])
+
+
+def test_the_draft_dtype_switch_and_its_profile_key(monkeypatch):
+    monkeypatch.delenv(LAYOUT_ENV, raising=False)
+    monkeypatch.delenv(DRAFT_DTYPE_ENV, raising=False)
+    assert draft_dtype_from_env(bf16_hardware=True) == "bfloat16"  # auto: the CPU decides
+    assert draft_dtype_from_env(bf16_hardware=False) == "float32"
+    monkeypatch.setenv(DRAFT_DTYPE_ENV, "bfloat16")
+    assert settings.sglang_device_key("cpu").endswith("-wcol-dbf16")
+    # the n-gram drafter runs no draft forward: its profiles keep the key without it
+    assert settings.sglang_device_key("cpu", draft_model=False).endswith("-wcol")
+    monkeypatch.setenv(DRAFT_DTYPE_ENV, " Float32 ")
+    assert draft_dtype_from_env(bf16_hardware=True) == "float32"
+    assert settings.sglang_device_key("cpu").endswith("-wcol")
+    monkeypatch.setenv(DRAFT_DTYPE_ENV, "fp8")
+    with pytest.raises(ValueError, match=DRAFT_DTYPE_ENV):
+        draft_dtype_from_env()
+    with pytest.raises(SystemExit) as e:
+        sglang_args(["--model-path", "/nonexistent", "--spec-policy", "ar"])
+    assert e.value.code == 2
+
+
+class QuantLinear(torch.nn.Module):
+    """A linear layer as SGLang's: forward through its quant method's apply."""
+
+    def __init__(self, n: int, k: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(n, k), requires_grad=False)
+        self.bias = torch.nn.Parameter(torch.randn(n), requires_grad=False) if bias else None
+        self.quant_method = UnquantizedLinearMethod()
+        self.quant_method.apply = lambda layer, x, bias=None: F.linear(x, layer.weight, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias)
+
+
+class DraftModel(torch.nn.Module):
+    """A tied embedding and LM head, linears through their quant methods (one with a bias,
+    one packed for SGLang's AMX kernels), a bf16 one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 8)
+        self.qkv, self.o = QuantLinear(24, 8, bias=True), QuantLinear(8, 24)
+        self.o.use_intel_amx_backend = True
+        self.bf16 = Linear(16, 8, torch.bfloat16)
+        self.lm_head = self.embed
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        h = h + self.o(torch.relu(self.qkv(h)))
+        return h @ self.lm_head.weight.T
+
+
+def test_bf16_draft_linears_multiply_in_bf16_and_answer_in_float32():
+    torch.manual_seed(0)
+    model = DraftModel()
+    x, ids = torch.randn(5, 8), torch.tensor([[3, 7, 49]])
+    before, logits = model.qkv(x), model(ids)
+
+    assert bf16_draft_linears(model) == 1  # qkv; not the AMX-packed o, the bf16 one, the head
+    assert model.qkv.weight.dtype == torch.bfloat16 and model.qkv.weight.is_contiguous()
+    assert model.qkv.bias.dtype == torch.bfloat16
+    assert isinstance(model.qkv.quant_method, Bf16Linear)
+    assert model.o.weight.dtype == torch.float32 and model.embed.weight.dtype == torch.float32
+    after = model.qkv(x)
+    assert after.dtype == torch.float32
+    expected = F.linear(x.bfloat16(), model.qkv.weight, model.qkv.bias).float()
+    assert torch.equal(after, expected)
+    # bf16 inputs and weights: about 3 significant digits, not the float32 result itself
+    torch.testing.assert_close(after, before, rtol=0.05, atol=0.1)
+    assert not torch.equal(after, before)
+    out = model(ids)  # the residual stream and the head stay float32
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, logits, rtol=0.05, atol=0.5)
+    assert bf16_draft_linears(model) == 0  # done
+    assert bf16_draft_linears(None) == 0

@@ -5,7 +5,8 @@
 the longest answer alone too); its chat endpoint answers meaningfully with the model's template.
 
 Speculation on the real model inside SGLang, with the shipped distilled draft (issue #31):
-SPECSERVE (sloserve's worker, fixed:3 so that every step drafts) and SGLang's own STANDALONE
+SPECSERVE (sloserve's worker, fixed:3 so that every step drafts; its draft's linears
+multiply in bf16 where the CPU has bf16 matmul hardware) and SGLang's own STANDALONE
 (3 steps, topk 1) give the same greedy tokens, alone and batched, and their drafts are
 accepted; likewise SPECSERVE with the preset's default drafter, prompt lookup (fixed:3, and
 the default specserve-slo with per-request verify lengths). The draft model under
@@ -87,7 +88,9 @@ def test_linear_weights_are_stored_column_major(servers, reference):
 
 
 SPEC_SYSTEMS = {
-    "specserve-fixed3": ["--drafter", "model", "--spec-policy", "fixed:3", "--k-max", "4"],
+    # info: the worker's line on its draft's bf16 linears (the lossless test reads it)
+    "specserve-fixed3": ["--drafter", "model", "--spec-policy", "fixed:3", "--k-max", "4",
+                         "--log-level", "info"],
     # the preset's default drafter inside SGLang, as in the built-in engine: prompt lookup
     "ngram-fixed3": ["--spec-policy", "fixed:3", "--k-max", "4"],
     "ngram-slo-per-request": ["--spec-policy", "specserve-slo", "--spec-lengths",
@@ -137,6 +140,12 @@ def test_speculation_with_the_distilled_draft_is_lossless(servers, reference, sy
         batched = list(pool.map(run, prompts))
     assert [o["output_ids"] for o in alone] == [answers[i] for i in picked]
     assert [o["output_ids"] for o in batched] == answers
+    if system == "specserve-fixed3":  # the draft model's GEMMs: bf16 where the CPU has them
+        from sloserve.runtime.cpu_tuning import cpu_has_bf16_matmul
+
+        log = servers.log(system).read_text(errors="replace")
+        bf16 = "SPECSERVE: the draft's 16 linear layers multiply in bf16" in log
+        assert bf16 == cpu_has_bf16_matmul(), log[-3000:]
     metas = [o["meta_info"] for o in alone + batched]
     if "slo" not in system:  # (its plan may judge a step not worth drafting)
         assert sum(m.get("spec_verify_ct", 0) for m in metas) > 0, metas[0]
