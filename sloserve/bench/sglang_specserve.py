@@ -38,6 +38,9 @@ CPU engine's flags added on machines without CUDA), float32, the same model pair
                   (SLOSERVE_CPU_WEIGHTS=row; sloserve's plugin stores them column-major by
                   default, sloserve/sglang_ext/cpu_weights.py); SPECSERVE then reads the
                   profile measured that way
+    SYSTEM/f32-draft  a SPECSERVE system whose draft model multiplies in float32 where the
+                  CPU has bf16 matmul hardware (SLOSERVE_CPU_DRAFT_DTYPE=float32; bf16 by
+                  default there, sloserve/sglang_ext/cpu_weights.py); with /row in either order
 
 SGLang's own adaptive speculation (`--speculative-adaptive`) applies only to EAGLE/EAGLE3
 in 0.5.23 (speculative/adaptive_spec_params.py: adaptive_unsupported_reason); with
@@ -93,7 +96,7 @@ from pathlib import Path
 from sloserve.bench.common import bench_prompts, machine_info, print_table, write_json
 from sloserve.replay.http_target import SSEStream, consume_sse_line
 from sloserve.sglang_cpu.cpu_server import stop_server, wait_ready
-from sloserve.sglang_ext.cpu_weights import LAYOUT_ENV
+from sloserve.sglang_ext.cpu_weights import DRAFT_DTYPE_ENV, LAYOUT_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 SYSTEMS = ("plain", "standalone:1", "standalone:3", "specserve", "specserve:per-request")
@@ -121,17 +124,36 @@ def ours(system: str) -> bool:
     return system.startswith(("specserve", "sloserve"))
 
 
+# suffixes that set one system's server environment (any of them, last, in any order)
+ENV_SUFFIXES = {"/row": (LAYOUT_ENV, "row"), "/f32-draft": (DRAFT_DTYPE_ENV, "float32")}
+
+
+def _env_suffixes(system: str) -> tuple[str, dict[str, str]]:
+    """(SYSTEM without its environment suffixes, the environment they set)."""
+    env: dict[str, str] = {}
+    while True:
+        for suffix, (name, value) in ENV_SUFFIXES.items():
+            if system.endswith(suffix):
+                system = system.removesuffix(suffix)
+                env[name] = value
+                break
+        else:
+            return system, env
+
+
 def system_env(system: str) -> dict[str, str]:
-    """The environment one system's server adds: `SYSTEM/row`: SGLang's row-major weights."""
-    return {LAYOUT_ENV: "row"} if system.endswith("/row") else {}
+    """The environment one system's server adds: `SYSTEM/row`: SGLang's row-major weights;
+    `SYSTEM/f32-draft`: SPECSERVE's draft model in float32 (not bf16 where the CPU has it)."""
+    return _env_suffixes(system)[1]
 
 
 def system_args(system: str, target: str, draft: str, k_max: int | None = None) -> list[str]:
     """`python -m sloserve.launch --engine sglang` options of one system. `SYSTEM/no-profile`:
     without a cost profile; `SYSTEM@DIR`: with the draft model in DIR instead of `draft`;
-    `SYSTEM/row`: the options of SYSTEM (the layout is `system_env`'s)."""
-    if system.endswith("/row"):
-        return system_args(system.removesuffix("/row"), target, draft, k_max)
+    `SYSTEM/row`, `SYSTEM/f32-draft`: the options of SYSTEM (the rest is `system_env`'s)."""
+    base, env = _env_suffixes(system)
+    if env:
+        return system_args(base, target, draft, k_max)
     if system.endswith("/no-profile"):  # a SPECSERVE system as on the pair's first start
         return system_args(system.removesuffix("/no-profile"), target, draft, k_max) + [
             "--spec-profile", "none"]

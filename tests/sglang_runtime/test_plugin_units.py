@@ -240,6 +240,10 @@ def test_closed_loop_benchmark_runs_each_system_as_named():
         "SLOSERVE_CPU_WEIGHTS": "row"}
     assert system_env("plain") == {} and system_args("plain/row", "T", "D") == \
         system_args("plain", "T", "D")
+    both = "sloserve@/w/d/no-profile/f32-draft/row"  # the draft in float32 as well
+    assert system_args(both, "T", "D") == weak and system_env(both) == {
+        "SLOSERVE_CPU_WEIGHTS": "row", "SLOSERVE_CPU_DRAFT_DTYPE": "float32"}
+    assert system_env("sloserve/row/f32-draft") == system_env(both)
 
     assert file_stem("sloserve-ngram::per-request/no-profile") == \
         "sloserve-ngram--per-request-no-profile"
