@@ -97,7 +97,9 @@ def planned(sglang_python, builtin_pair, tmp_path_factory):
          # the plan's per-request choices as they are, without the uniform-first margin
          # (with it, ragged steps are rare here: see the module docstring)
          "--spec-options", "uniform_margin=0"],
-        logs / "server.log", {})
+        # the draft in float32 (not bf16 where the CPU has it): confidences are compared
+        # with the float32 draft model's probabilities below
+        logs / "server.log", {"SLOSERVE_CPU_DRAFT_DTYPE": "float32"})
     try:
         server.wait()
         outs: list[tuple[list[int], dict]] = []

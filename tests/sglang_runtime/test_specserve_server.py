@@ -42,6 +42,10 @@ def _hot_copy(model_dir: str, out: Path) -> set[int]:
     return set(hot)
 
 
+# servers whose draft must compute exactly as a float32 model (cpu_weights.py)
+F32_DRAFT = {"SLOSERVE_CPU_DRAFT_DTYPE": "float32"}
+
+
 @pytest.fixture(scope="module")
 def launched(sglang_python, tiny_sglang_pair, tiny_plain, tmp_path_factory):
     target, draft = tiny_sglang_pair
@@ -66,15 +70,20 @@ def launched(sglang_python, tiny_sglang_pair, tiny_plain, tmp_path_factory):
                            "--spec-profile", str(TINY_PROFILE)], {}),
         "slo": (pair + ["--k-max", "4", "--spec-policy", "specserve-slo", "--tpot-slo", "2s",
                         "--spec-profile", str(TINY_PROFILE)], {}),
+        # draft = target, multiplying as the target does (float32: a bf16 draft where the
+        # CPU has bf16 matmul hardware, the default, would propose other tokens now and then)
         "self": (["--model-path", target, "--draft-model-path", target, "--k-max", "4",
-                  "--spec-policy", "specserve", "--spec-profile", str(TINY_PROFILE)], {}),
+                  "--spec-policy", "specserve", "--spec-profile", str(TINY_PROFILE)],
+                 F32_DRAFT),
         # draft = target with its LM head cut to the even token ids (draft_chain.py
         # use_hot_vocab): it proposes the target's token wherever that is even
         "selfhot": (["--model-path", target, "--draft-model-path", str(hot_dir), "--k-max",
-                     "4", "--spec-policy", "fixed:3", "--spec-profile", str(TINY_PROFILE)], {}),
+                     "4", "--spec-policy", "fixed:3", "--spec-profile", str(TINY_PROFILE)],
+                    F32_DRAFT),
         # draft = target; batches of 3 or more draft nothing (a batch-size table)
         "selfskip": (["--model-path", target, "--draft-model-path", target, "--k-max", "4",
-                      "--spec-policy", "lut:2=3", "--spec-profile", str(TINY_PROFILE)], {}),
+                      "--spec-policy", "lut:2=3", "--spec-profile", str(TINY_PROFILE)],
+                     F32_DRAFT),
         # no model options: the built-in pair, as `sloserve.launch --engine sglang` serves it
         "builtin": (["--tpot-slo", "30ms"], {}),
     }
