@@ -1,6 +1,6 @@
 """A forward's linear layers and LM head on the CPU with SGLang's row-major float32 weights
-against the column-major ones sloserve's SGLang plugin stores (sloserve/sglang_ext/
-cpu_weights.py), for 1..32 rows (a decode step of batch B has B rows, a verify B (k + 1)).
+against the column-major and oneDNN-packed ones sloserve's SGLang plugin uses (sloserve/
+sglang_ext/cpu_weights.py), for 1..32 rows (a decode step of batch B has B rows, a verify B (k + 1)).
 SmolLM2-135M's shapes by default (30 layers of qkv 960 x 576, o 576 x 576, gate_up
 3072 x 576, down 576 x 1536, and the 49,152 x 576 head: 540 MB of random weights, so every
 forward streams them from memory as the model's does). Two to four minutes on a 2-core CPU.
@@ -18,12 +18,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from sloserve.bench.common import machine_info, print_table, write_json
-from sloserve.sglang_ext.cpu_weights import column_major
+from sloserve.runtime.models.cpu_linear import packed_linear_available
+from sloserve.sglang_ext.cpu_weights import PACK_ROWS, column_major
 
 # SmolLM2-135M: one layer's (out, in) products (q/k/v fused, gate/up fused) and the head
 LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))
@@ -37,16 +39,28 @@ def weights(layers: int, seed: int = 0) -> tuple[list[list[torch.Tensor]], torch
     return stack, torch.randn(*HEAD, generator=g) / HEAD[1] ** 0.5
 
 
-def products(x: torch.Tensor, stack: list[list[torch.Tensor]], head: torch.Tensor
+def packed_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] times a weight prepacked by pack() ([N, K] opaque): [M, N]."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
+
+
+def products(x: torch.Tensor, stack: list[list[torch.Tensor]], head: torch.Tensor,
+             mm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
              ) -> torch.Tensor:
     """The forward's linear products as SGLang computes them: F.linear per layer (the
-    down projection's input is the gate/up product's first half), hidden @ head.T."""
+    down projection's input is the gate/up product's first half), hidden @ head.T; mm
+    (packed_mm for packed weights) replaces both where given."""
     for qkv, o, gate_up, down in stack:
-        F.linear(x, qkv)
-        F.linear(x, o)
-        h = F.linear(x, gate_up)
-        F.linear(h[:, : down.shape[1]].contiguous(), down)
-    return x @ head.T
+        lin = mm or F.linear
+        lin(x, qkv)
+        lin(x, o)
+        h = lin(x, gate_up)
+        lin(h[:, : down.shape[1]].contiguous(), down)
+    return mm(x, head) if mm is not None else x @ head.T
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,31 +82,35 @@ def main(argv: list[str] | None = None) -> int:
         p.error("arguments --repeats, --layers and --threads must be >= 1")
     torch.set_num_threads(args.threads)
     print(f"float32 linear products of {args.layers} SmolLM2-shaped layers and the head, "
-          f"row-major against column-major weights, {len(rows)} row counts x "
+          f"row-major against column-major and oneDNN-packed weights, {len(rows)} row counts x "
           f"{args.repeats} repeats; 2-4 minutes on a 2-core CPU", flush=True)
     stack, head = weights(args.layers)
-    layouts = {"row": (stack, head),
-               "column": ([[column_major(w) for w in ws] for ws in stack], column_major(head))}
+    layouts: dict[str, tuple[list[list[torch.Tensor]], torch.Tensor, Callable | None]] = {
+        "row": (stack, head, None),
+        "column": ([[column_major(w) for w in ws] for ws in stack], column_major(head), None)}
+    if packed_linear_available():
+        layouts["packed"] = ([[pack(w) for w in ws] for ws in stack], pack(head), packed_mm)
     table, results = [], []
     for m in rows:
         x = torch.randn(m, HEAD[1], generator=torch.Generator().manual_seed(m))
         times: dict[str, list[float]] = {name: [] for name in layouts}
-        for s, h in layouts.values():  # warm-up
-            products(x, s, h)
+        for s, h, mm in layouts.values():  # warm-up
+            products(x, s, h, mm)
         for rep in range(args.repeats):
             order = list(layouts) if rep % 2 == 0 else list(layouts)[::-1]
             for name in order:
-                s, h = layouts[name]
+                s, h, mm = layouts[name]
                 t0 = time.perf_counter()
-                products(x, s, h)
+                products(x, s, h, mm)
                 times[name].append(time.perf_counter() - t0)
         med = {name: statistics.median(v) * 1e3 for name, v in times.items()}
         results.append({"rows": m, "ms": med, "all_ms": {n: [t * 1e3 for t in v]
                                                          for n, v in times.items()}})
-        table.append([m, f"{med['row']:.1f}", f"{med['column']:.1f}",
-                      f"{med['column'] / med['row']:.2f}"])
+        table.append([m, *(f"{med[n]:.1f}" for n in layouts),
+                      *(f"{med[n] / med['row']:.2f}" for n in layouts if n != "row")])
         print(f"  {m} rows done", flush=True)
-    print_table(["rows", "row-major ms", "column-major ms", "column / row"], table)
+    print_table(["rows", *(f"{n} ms" for n in layouts),
+                 *(f"{n} / row" for n in layouts if n != "row")], table)
     write_json(args.out, {"machine": machine_info(), "args": vars(args),
                           "torch": torch.__version__, "results": results})
     return 0

@@ -35,12 +35,14 @@ CPU engine's flags added on machines without CUDA), float32, the same model pair
     SYSTEM/no-profile  a SPECSERVE system without its cost profile (--spec-profile none:
                   the estimate from the models' shapes, corrected online)
     SYSTEM/row    any system (the suffix last) with SGLang's own row-major float32 weights on a CPU
-                  (SLOSERVE_CPU_WEIGHTS=row; sloserve's plugin stores them column-major by
-                  default, sloserve/sglang_ext/cpu_weights.py); SPECSERVE then reads the
-                  profile measured that way
+                  (SLOSERVE_CPU_WEIGHTS=row; sloserve's plugin packs them for oneDNN or
+                  stores them column-major by default, sloserve/sglang_ext/cpu_weights.py);
+                  SPECSERVE then reads the profile measured that way; SYSTEM/column and
+                  SYSTEM/packed ask for those layouts
     SYSTEM/f32-draft  a SPECSERVE system whose draft model multiplies in float32 where the
                   CPU has bf16 matmul hardware (SLOSERVE_CPU_DRAFT_DTYPE=float32; bf16 by
-                  default there, sloserve/sglang_ext/cpu_weights.py); with /row in either order
+                  default there, sloserve/sglang_ext/cpu_weights.py); with a layout suffix
+                  in either order
 
 SGLang's own adaptive speculation (`--speculative-adaptive`) applies only to EAGLE/EAGLE3
 in 0.5.23 (speculative/adaptive_spec_params.py: adaptive_unsupported_reason); with
@@ -125,7 +127,8 @@ def ours(system: str) -> bool:
 
 
 # suffixes that set one system's server environment (any of them, last, in any order)
-ENV_SUFFIXES = {"/row": (LAYOUT_ENV, "row"), "/f32-draft": (DRAFT_DTYPE_ENV, "float32")}
+ENV_SUFFIXES = {"/row": (LAYOUT_ENV, "row"), "/column": (LAYOUT_ENV, "column"),
+                "/packed": (LAYOUT_ENV, "packed"), "/f32-draft": (DRAFT_DTYPE_ENV, "float32")}
 
 
 def _env_suffixes(system: str) -> tuple[str, dict[str, str]]:
@@ -142,8 +145,8 @@ def _env_suffixes(system: str) -> tuple[str, dict[str, str]]:
 
 
 def system_env(system: str) -> dict[str, str]:
-    """The environment one system's server adds: `SYSTEM/row`: SGLang's row-major weights;
-    `SYSTEM/f32-draft`: SPECSERVE's draft model in float32 (not bf16 where the CPU has it)."""
+    """The environment one system's server adds: `SYSTEM/row`: SGLang's row-major weights
+    (`/column`, `/packed`: those layouts); `SYSTEM/f32-draft`: SPECSERVE's draft model in float32 (not bf16 where the CPU has it)."""
     return _env_suffixes(system)[1]
 
 

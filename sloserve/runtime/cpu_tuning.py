@@ -91,6 +91,20 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+@functools.lru_cache(maxsize=1)
+def cpu_vendor() -> str:
+    """The CPU's vendor id as the kernel reports it ("GenuineIntel", "AuthenticAMD", ...;
+    empty where /proc/cpuinfo has none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def cpu_has_bf16_matmul() -> bool:
     """Whether this CPU multiplies bf16 matrices in hardware (AVX512-BF16 or AMX-BF16), where
     oneDNN's bf16 matmuls beat fp32 (measured ~6x per thread on an AMX Xeon). Without them

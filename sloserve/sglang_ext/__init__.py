@@ -42,11 +42,18 @@ def register() -> None:
     from sloserve.sglang_ext import sglang_internals as sgl
 
     if running_sglang_cpu_engine():
-        from sloserve.sglang_ext.cpu_weights import layout_from_env, relayout_linear_weights
+        from sloserve.sglang_ext.cpu_weights import (
+            layout_from_env,
+            pack_linear_weights,
+            relayout_linear_weights,
+        )
 
         sgl.keep_intel_amx_backend()
-        if layout_from_env() == "column":
+        layout = layout_from_env()
+        if layout == "column":
             sgl.install_weight_relayout(relayout_linear_weights)
+        elif layout == "packed":
+            sgl.install_weight_relayout(pack_linear_weights)
         logger.info("sloserve plugin: SGLang CPU engine fixes applied (intel_amx kept, "
-                    "float32 linear weights %s-major)", layout_from_env())
+                    "float32 linear weights %s)", layout)
     sgl.register_specserve(_worker_class, _streamer_class)

@@ -15,6 +15,19 @@ embeddings, the logits processor) sees the same tensor; only the GEMM's memory o
 changes. Sums come out in another order, so the logits may differ in the last bits from
 the row-major run's; every server of a comparison runs the same layout (the plugin applies
 it in each SGLang process on the CPU engine). SLOSERVE_CPU_WEIGHTS=row keeps SGLang's layout.
+
+`pack_linear_weights` goes further where torch's sgemm is slow for a few rows whatever the
+layout: each such weight gets a copy prepacked for oneDNN's float32 matmul (the built-in
+engine's path, sloserve/runtime/models/cpu_linear.py) and the layer a quant method that
+multiplies with it (PackedF32Method). On the 2-core AMD EPYC (AVX-512, torch 2.13 with MKL
+2024.2, 2 threads, 2026-12-03) MKL's sgemm re-reads the weight for every row up to three
+(SmolLM2's gate_up 3072 x 576: 123 / 245 / 361 / 449 us at 1 / 2 / 3 / 4 rows column-major)
+where oneDNN's packed kernel reads it once (80 / 84 / 98 / 112 us); the 49,152 x 576 head:
+4.2 / 8.4 / 12.5 / 19.3 ms against 2.5 / 2.8 / 2.6 / 2.5 ms. The dense weight stays (the tied
+embedding's lookups and every other reader use it): the float32 linear weights are held twice.
+`SLOSERVE_CPU_WEIGHTS` = auto (default) | packed | column | row; auto packs on CPUs other
+than Intel's (MKL's fast few-row kernels are dispatched for Intel processors) and stores
+column-major on Intel's, where the column layout was measured faster at 1-3 rows (2026-12-01).
 """
 
 from __future__ import annotations
@@ -25,16 +38,29 @@ from typing import Any
 import torch
 
 LAYOUT_ENV = "SLOSERVE_CPU_WEIGHTS"
-LAYOUTS = ("column", "row")
+LAYOUTS = ("auto", "packed", "column", "row")
+PACK_ROWS = 32  # oneDNN's packing hint: the row count the layout is tuned for (any works)
 
 
-def layout_from_env() -> str:
-    """The layout SLOSERVE_CPU_WEIGHTS asks for (default column); ValueError naming the
-    variable for anything else."""
-    value = os.environ.get(LAYOUT_ENV, "column").strip().lower() or "column"
+def layout_from_env(vendor: str | None = None, packable: bool | None = None) -> str:
+    """The layout SLOSERVE_CPU_WEIGHTS asks for: packed, column or row; auto (default)
+    resolves to packed where oneDNN's packed linear runs and the CPU is not Intel's, else
+    column (the module's docstring). ValueError naming the variable for anything else.
+    vendor, packable: the machine's answers (None: ask it)."""
+    value = os.environ.get(LAYOUT_ENV, "auto").strip().lower() or "auto"
     if value not in LAYOUTS:
         raise ValueError(f"{LAYOUT_ENV}={value!r}: expected one of {', '.join(LAYOUTS)}")
-    return value
+    if value != "auto":
+        return value
+    if vendor is None:
+        from sloserve.runtime.cpu_tuning import cpu_vendor
+
+        vendor = cpu_vendor()
+    if packable is None:
+        from sloserve.runtime.models.cpu_linear import packed_linear_available
+
+        packable = packed_linear_available()
+    return "packed" if packable and vendor != "GenuineIntel" else "column"
 
 
 def column_major(t: torch.Tensor) -> torch.Tensor:
@@ -80,6 +106,60 @@ def relayout_linear_weights(model: Any) -> int:
     return changed
 
 
+class PackedF32Method:
+    """A float32 linear layer's (or the LM head's) quant method that multiplies with a copy of
+    its weight prepacked for oneDNN: apply(layer, x [..., K], bias) -> [..., N], the same
+    product as F.linear(x, layer.weight, bias) summed in oneDNN's order. Every other attribute
+    (the embedding lookup of a tied head, the weight loaders) is the wrapped method's."""
+
+    def __init__(self, inner: Any, weight: torch.Tensor) -> None:
+        self.inner = inner
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+        self.out_features = int(weight.shape[0])
+
+    def apply(self, layer: Any, x: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [M, K]
+        out = torch.ops.mkldnn._linear_pointwise(x2, self.packed, bias, "none", [], "")
+        return out.reshape(*lead, self.out_features)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+_PACKABLE_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
+
+
+def pack_linear_weights(model: Any) -> int:
+    """Give every float32 CPU linear layer of SGLang's (unquantized linear method) and the LM
+    head (tied or not) a PackedF32Method, in place (see the module's docstring); the number of
+    layers changed. Parameters are untouched; layers of other dtypes or devices, ones SGLang
+    packed for its AMX kernels and ones already packed are left alone."""
+    if not isinstance(model, torch.nn.Module):
+        return 0
+    modules = {id(m): m for m in model.modules()
+               if type(getattr(m, "quant_method", None)).__name__ == "UnquantizedLinearMethod"}
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, torch.nn.Module):
+        modules.setdefault(id(head), head)
+    changed = 0
+    for module in modules.values():
+        method = getattr(module, "quant_method", None)
+        weight = getattr(module, "weight", None)
+        if (type(method).__name__ not in _PACKABLE_METHODS
+                or not isinstance(weight, torch.nn.Parameter) or weight.ndim != 2
+                or weight.dtype != torch.float32 or weight.device.type != "cpu"
+                or not weight.is_contiguous() or weight.shape[1] < 2
+                or getattr(module, "use_intel_amx_backend", False)):
+            continue
+        setattr(module, "quant_method", PackedF32Method(method, weight))  # noqa: B010
+        changed += 1
+    return changed
+
+
 # ----- the draft model's linears in bf16 (SpecServeWorker, model drafter on a CPU)
 
 DRAFT_DTYPE_ENV = "SLOSERVE_CPU_DRAFT_DTYPE"
@@ -120,6 +200,8 @@ class Bf16Linear:
         return torch.nn.functional.linear(x.to(w.dtype), w, bias).to(x.dtype)
 
     def __getattr__(self, name: str) -> Any:
+        if name == "inner":  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
 
@@ -133,6 +215,8 @@ def bf16_draft_linears(model: Any) -> int:
     changed = 0
     for module in model.modules():
         method = getattr(module, "quant_method", None)
+        if isinstance(method, PackedF32Method):  # the packed float32 copy is not needed
+            method = method.inner
         weight = getattr(module, "weight", None)
         if (type(method).__name__ != "UnquantizedLinearMethod"
                 or not isinstance(weight, torch.nn.Parameter) or weight.ndim != 2

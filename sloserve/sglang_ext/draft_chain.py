@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from sloserve.sglang_ext.chain_sampling import draft_pick
-from sloserve.sglang_ext.cpu_weights import column_major, is_column_major
+from sloserve.sglang_ext.cpu_weights import PackedF32Method, column_major, is_column_major
 from sloserve.sglang_ext.draft_kv import DraftKVBook
 from sloserve.sglang_ext.ngram_chain import NgramChains
 from sloserve.sglang_ext.sglang_internals import (
@@ -174,11 +174,15 @@ class AlignedDraft:
                 or int(hot.max()) >= self.vocab_size:
             raise ValueError(f"hot vocabulary: token ids outside [0, {self.vocab_size})")
         rows = weight.index_select(0, hot).contiguous()  # [N, H]
+        method = getattr(head, "quant_method", None)
+        packed = isinstance(method, PackedF32Method)
+        if isinstance(method, PackedF32Method):  # the whole head's packed copy goes (a tied
+            head.quant_method = method.inner     # embedding keeps its lookups)
         if dtype != weight.dtype:  # row-major: bf16 GEMMs run fastest on it
             rows = rows.to(dtype)
         elif is_column_major(weight):  # the whole head's memory order
             rows = column_major(rows)
-        model.lm_head = _RowsHead(rows)
+        model.lm_head = _RowsHead(rows, packed=packed and rows.dtype == torch.float32)
         self.hot = hot
         return True
 
@@ -462,11 +466,13 @@ def logits32(logits: torch.Tensor) -> torch.Tensor:
 
 class _RowsHead(torch.nn.Module):
     """A draft LM head cut to some rows of the whole one: SGLang's logits processor reads
-    its `weight` [N, H] as a plain linear layer's."""
+    its `weight` [N, H] as a plain linear layer's, or multiplies through its quant method
+    with a copy packed for oneDNN (packed: as the whole head was, cpu_weights.py)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, packed: bool = False) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.quant_method = PackedF32Method(None, weight) if packed else None
 
 
 def _rows(batch: Any) -> list[int]:

@@ -120,14 +120,14 @@ def worker_config() -> WorkerConfig:
 
 def sglang_device_key(device: str, draft_model: bool = True) -> str:
     """The device part of an SGLang profile's key. On a CPU the plugin stores float32 linear
-    weights column-major by default (cpu_weights.py), which changes every forward's cost:
-    "-wcol" then; a profile measured with SGLang's row-major weights keeps the plain key.
+    weights column-major or prepacked for oneDNN (cpu_weights.py), which changes every
+    forward's cost: "-wcol" or "-wpak" then; a profile measured with SGLang's row-major
+    weights keeps the plain key.
     A draft model whose matmuls run in bf16 there (draft_model: the pair has one;
     SLOSERVE_CPU_DRAFT_DTYPE, cpu_weights.py) drafts at another price: "-dbf16" after it."""
     key = f"sglang-{device_key(device)}"
     if device.startswith("cpu"):
-        if layout_from_env() == "column":
-            key += "-wcol"
+        key += {"column": "-wcol", "packed": "-wpak"}.get(layout_from_env(), "")
         if draft_model and draft_dtype_from_env() == "bfloat16":
             key += "-dbf16"
     return key

@@ -11,16 +11,19 @@ import torch
 import torch.nn.functional as F
 
 from sloserve.cli.sglang_launch import sglang_args
+from sloserve.runtime.models.cpu_linear import packed_linear_available
 from sloserve.sglang_ext import settings
 from sloserve.sglang_ext.cpu_weights import (
     DRAFT_DTYPE_ENV,
     LAYOUT_ENV,
     Bf16Linear,
+    PackedF32Method,
     bf16_draft_linears,
     column_major,
     draft_dtype_from_env,
     is_column_major,
     layout_from_env,
+    pack_linear_weights,
     relayout_linear_weights,
 )
 
@@ -88,8 +91,17 @@ def test_relayout_changes_linears_and_the_tied_head_once_in_place():
 def test_the_layout_switch_and_the_profile_key_follow_the_environment(monkeypatch):
     monkeypatch.delenv(LAYOUT_ENV, raising=False)
     monkeypatch.setenv(DRAFT_DTYPE_ENV, "float32")
-    assert layout_from_env() == "column"
+    # auto: oneDNN-packed off Intel's CPUs (where oneDNN runs), column-major on them
+    assert layout_from_env(vendor="AuthenticAMD", packable=True) == "packed"
+    assert layout_from_env(vendor="GenuineIntel", packable=True) == "column"
+    assert layout_from_env(vendor="AuthenticAMD", packable=False) == "column"
+    assert layout_from_env() in ("packed", "column")
+    monkeypatch.setenv(LAYOUT_ENV, "column")
+    assert layout_from_env(vendor="AuthenticAMD", packable=True) == "column"
     assert settings.sglang_device_key("cpu").endswith("-wcol")
+    monkeypatch.setenv(LAYOUT_ENV, " Packed")
+    assert layout_from_env(vendor="GenuineIntel") == "packed"
+    assert settings.sglang_device_key("cpu").endswith("-wpak")
     monkeypatch.setenv(LAYOUT_ENV, "ROW")
     assert layout_from_env() == "row"
     row_key = settings.sglang_device_key("cpu")
@@ -110,25 +122,30 @@ def test_the_launcher_refuses_an_unknown_layout(monkeypatch, capsys):
 def test_the_layout_benchmark_runs_both_layouts_on_the_same_products(tmp_path):
     import json
 
-    from sloserve.bench.cpu_weights import main, products, weights
+    from sloserve.bench.cpu_weights import main, pack, packed_mm, products, weights
 
     stack, head = weights(1)
     x = torch.randn(3, head.shape[1])
     torch.testing.assert_close(
         products(x, [[column_major(w) for w in ws] for ws in stack], column_major(head)),
         products(x, stack, head))
+    packed = packed_linear_available()
+    if packed:
+        torch.testing.assert_close(
+            products(x, [[pack(w) for w in ws] for ws in stack], pack(head), packed_mm),
+            products(x, stack, head))
     out = tmp_path / "bench.json"
     assert main(["--rows", "1,3", "--layers", "1", "--repeats", "1", "--out", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
     assert [r["rows"] for r in results] == [1, 3]
-    assert all(set(r["ms"]) == {"row", "column"} and min(r["ms"].values()) > 0
-               for r in results)
+    names = {"row", "column"} | ({"packed"} if packed else set())
+    assert all(set(r["ms"]) == names and min(r["ms"].values()) > 0 for r in results)
     with pytest.raises(SystemExit):
         main(["--rows", "0"])
 
 
 def test_the_draft_dtype_switch_and_its_profile_key(monkeypatch):
-    monkeypatch.delenv(LAYOUT_ENV, raising=False)
+    monkeypatch.setenv(LAYOUT_ENV, "column")
     monkeypatch.delenv(DRAFT_DTYPE_ENV, raising=False)
     assert draft_dtype_from_env(bf16_hardware=True) == "bfloat16"  # auto: the CPU decides
     assert draft_dtype_from_env(bf16_hardware=False) == "float32"
@@ -202,3 +219,50 @@ def test_bf16_draft_linears_multiply_in_bf16_and_answer_in_float32():
     torch.testing.assert_close(out, logits, rtol=0.05, atol=0.5)
     assert bf16_draft_linears(model) == 0  # done
     assert bf16_draft_linears(None) == 0
+
+
+@pytest.mark.skipif(not packed_linear_available(), reason="torch without oneDNN's packed linear")
+def test_packed_linears_and_tied_head_give_the_same_products():
+    torch.manual_seed(0)
+    model = DraftModel()
+    x, ids = torch.randn(2, 5, 8), torch.tensor([[3, 7, 49]])
+    before, logits = model.qkv(x), model(ids)
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    model.lm_head = HeadEmbedding(model.embed)  # the tied head as SGLang's: a quant method
+    assert pack_linear_weights(model) == 2  # qkv and the head; not the AMX o, the bf16 one
+    assert pack_linear_weights(model) == 0 and pack_linear_weights(None) == 0  # done
+    assert isinstance(model.qkv.quant_method, PackedF32Method)
+    assert isinstance(model.lm_head.quant_method, PackedF32Method)
+    assert type(model.o.quant_method).__name__ == "UnquantizedLinearMethod"
+    for name, p in model.named_parameters():  # parameters untouched
+        assert torch.equal(p, weights[name]) and p.is_contiguous()
+    after = model.qkv(x)  # [2, 5, 24] through the packed copy, bias added
+    assert after.shape == before.shape
+    torch.testing.assert_close(after, before)  # float32 products, summed in oneDNN's order
+    torch.testing.assert_close(model(ids), logits)
+    h = torch.randn(3, 8)
+    head = model.lm_head.quant_method.apply(model.lm_head, h)  # the logits processor's call
+    torch.testing.assert_close(head, h @ model.embed.weight.T)
+    assert model.lm_head.quant_method.embedding(model.lm_head, ids).shape == (1, 3, 8)
+    # the draft's bf16 linears replace a packed float32 method by their own
+    assert bf16_draft_linears(model) == 1
+    assert isinstance(model.qkv.quant_method, Bf16Linear)
+    assert type(model.qkv.quant_method.inner).__name__ == "UnquantizedLinearMethod"
+
+
+class UnquantizedEmbeddingMethod:
+    """Stands in for SGLang's: an embedding's lookups."""
+
+    def embedding(self, layer: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, layer.weight)
+
+
+class HeadEmbedding(torch.nn.Module):
+    """SGLang's VocabParallelEmbedding as a tied LM head: the embedding's weight, its lookups
+    through its quant method."""
+
+    def __init__(self, embed: torch.nn.Embedding) -> None:
+        super().__init__()
+        self.weight = embed.weight
+        self.quant_method = UnquantizedEmbeddingMethod()

@@ -244,6 +244,9 @@ def test_closed_loop_benchmark_runs_each_system_as_named():
     assert system_args(both, "T", "D") == weak and system_env(both) == {
         "SLOSERVE_CPU_WEIGHTS": "row", "SLOSERVE_CPU_DRAFT_DTYPE": "float32"}
     assert system_env("sloserve/row/f32-draft") == system_env(both)
+    assert system_env("plain/column") == {"SLOSERVE_CPU_WEIGHTS": "column"}
+    assert system_env("sloserve/f32-draft/packed") == {
+        "SLOSERVE_CPU_WEIGHTS": "packed", "SLOSERVE_CPU_DRAFT_DTYPE": "float32"}
 
     assert file_stem("sloserve-ngram::per-request/no-profile") == \
         "sloserve-ngram--per-request-no-profile"
