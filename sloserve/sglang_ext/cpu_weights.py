@@ -23,8 +23,9 @@ multiplies with it (PackedF32Method). On the 2-core AMD EPYC (AVX-512, torch 2.1
 2024.2, 2 threads, 2026-12-03) MKL's sgemm re-reads the weight for every row up to three
 (SmolLM2's gate_up 3072 x 576: 123 / 245 / 361 / 449 us at 1 / 2 / 3 / 4 rows column-major)
 where oneDNN's packed kernel reads it once (80 / 84 / 98 / 112 us); the 49,152 x 576 head:
-4.2 / 8.4 / 12.5 / 19.3 ms against 2.5 / 2.8 / 2.6 / 2.5 ms. The dense weight stays (the tied
-embedding's lookups and every other reader use it): the float32 linear weights are held twice.
+4.2 / 8.4 / 12.5 / 19.3 ms against 2.5 / 2.8 / 2.6 / 2.5 ms. A linear layer's own weight is
+freed once packed (PackedF32Method); the LM head's stays (the tied embedding's lookups, the
+draft's hot rows read it), so the head alone is held twice.
 `SLOSERVE_CPU_WEIGHTS` = auto (default) | packed | column | row; auto packs on CPUs other
 than Intel's (MKL's fast few-row kernels are dispatched for Intel processors) and stores
 column-major on Intel's, where the column layout was measured faster at 1-3 rows (2026-12-01).
@@ -110,12 +111,24 @@ class PackedF32Method:
     """A float32 linear layer's (or the LM head's) quant method that multiplies with a copy of
     its weight prepacked for oneDNN: apply(layer, x [..., K], bias) -> [..., N], the same
     product as F.linear(x, layer.weight, bias) summed in oneDNN's order. Every other attribute
-    (the embedding lookup of a tied head, the weight loaders) is the wrapped method's."""
+    (the embedding lookup of a tied head, the weight loaders) is the wrapped method's.
 
-    def __init__(self, inner: Any, weight: torch.Tensor) -> None:
+    release: the weight's own storage is freed once packed (a linear layer's: nothing else
+    reads it). The Parameter keeps its shape, dtype and device over one NaN element (strides
+    0), so a reader that multiplies it gets NaN and a writer (a weight reload) an error
+    instead of a stale packed copy; `dense()` gives the values back."""
+
+    def __init__(self, inner: Any, weight: torch.Tensor, release: bool = False) -> None:
         self.inner = inner
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
         self.out_features = int(weight.shape[0])
+        if release:
+            weight.data = torch.full((1,), float("nan"), dtype=weight.dtype,
+                                     device=weight.device).expand(weight.shape)
+
+    def dense(self) -> torch.Tensor:
+        """The packed weight's values, [N, K] contiguous (oneDNN's reorder back)."""
+        return self.packed.to_dense()
 
     def apply(self, layer: Any, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -146,7 +159,7 @@ def pack_linear_weights(model: Any) -> int:
     if isinstance(head, torch.nn.Module):
         modules.setdefault(id(head), head)
     changed = 0
-    for module in modules.values():
+    for module in modules.values():  # a head keeps its weight: embedding lookups, hot rows
         method = getattr(module, "quant_method", None)
         weight = getattr(module, "weight", None)
         if (type(method).__name__ not in _PACKABLE_METHODS
@@ -155,7 +168,9 @@ def pack_linear_weights(model: Any) -> int:
                 or not weight.is_contiguous() or weight.shape[1] < 2
                 or getattr(module, "use_intel_amx_backend", False)):
             continue
-        setattr(module, "quant_method", PackedF32Method(method, weight))  # noqa: B010
+        linear = type(method).__name__ == "UnquantizedLinearMethod" and module is not head
+        setattr(module, "quant_method",  # noqa: B010  # not a Module
+                PackedF32Method(method, weight, release=linear))
         changed += 1
     return changed
 
@@ -215,9 +230,11 @@ def bf16_draft_linears(model: Any) -> int:
     changed = 0
     for module in model.modules():
         method = getattr(module, "quant_method", None)
-        if isinstance(method, PackedF32Method):  # the packed float32 copy is not needed
-            method = method.inner
         weight = getattr(module, "weight", None)
+        if isinstance(method, PackedF32Method):  # its values from the packed copy, which goes
+            if isinstance(weight, torch.nn.Parameter) and weight.stride() == (0, 0):
+                weight.data = method.dense()
+            method = method.inner
         if (type(method).__name__ != "UnquantizedLinearMethod"
                 or not isinstance(weight, torch.nn.Parameter) or weight.ndim != 2
                 or weight.dtype != torch.float32 or weight.device.type != "cpu"

@@ -235,8 +235,14 @@ def test_packed_linears_and_tied_head_give_the_same_products():
     assert isinstance(model.qkv.quant_method, PackedF32Method)
     assert isinstance(model.lm_head.quant_method, PackedF32Method)
     assert type(model.o.quant_method).__name__ == "UnquantizedLinearMethod"
-    for name, p in model.named_parameters():  # parameters untouched
-        assert torch.equal(p, weights[name]) and p.is_contiguous()
+    for name, p in model.named_parameters():  # a packed linear's weight is freed, the rest kept
+        if name == "qkv.weight":
+            assert p.shape == weights[name].shape and p.stride() == (0, 0)
+            assert p.untyped_storage().nbytes() == 4 and p.isnan().all()
+            torch.testing.assert_close(model.qkv.quant_method.dense(), weights[name],
+                                       rtol=0, atol=0)
+        else:
+            assert torch.equal(p, weights[name]) and p.is_contiguous()
     after = model.qkv(x)  # [2, 5, 24] through the packed copy, bias added
     assert after.shape == before.shape
     torch.testing.assert_close(after, before)  # float32 products, summed in oneDNN's order
@@ -246,7 +252,8 @@ def test_packed_linears_and_tied_head_give_the_same_products():
     torch.testing.assert_close(head, h @ model.embed.weight.T)
     assert model.lm_head.quant_method.embedding(model.lm_head, ids).shape == (1, 3, 8)
     # the draft's bf16 linears replace a packed float32 method by their own
-    assert bf16_draft_linears(model) == 1
+    assert bf16_draft_linears(model) == 1  # the values back from the packed copy
+    assert torch.equal(model.qkv.weight, weights["qkv.weight"].bfloat16())
     assert isinstance(model.qkv.quant_method, Bf16Linear)
     assert type(model.qkv.quant_method.inner).__name__ == "UnquantizedLinearMethod"
 
