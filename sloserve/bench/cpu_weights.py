@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from sloserve.bench.common import machine_info, print_table, write_json
-from sloserve.runtime.models.cpu_linear import packed_linear_available
-from sloserve.sglang_ext.cpu_weights import PACK_ROWS, column_major
+from sloserve.runtime.models.cpu_linear import pack_weight, packed_linear, packed_linear_available
+from sloserve.sglang_ext.cpu_weights import column_major
 
 # SmolLM2-135M: one layer's (out, in) products (q/k/v fused, gate/up fused) and the head
 LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))
@@ -39,21 +39,12 @@ def weights(layers: int, seed: int = 0) -> tuple[list[list[torch.Tensor]], torch
     return stack, torch.randn(*HEAD, generator=g) / HEAD[1] ** 0.5
 
 
-def packed_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K] times a weight prepacked by pack() ([N, K] opaque): [M, N]."""
-    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-
-
-def pack(w: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
-
-
 def products(x: torch.Tensor, stack: list[list[torch.Tensor]], head: torch.Tensor,
              mm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
              ) -> torch.Tensor:
     """The forward's linear products as SGLang computes them: F.linear per layer (the
     down projection's input is the gate/up product's first half), hidden @ head.T; mm
-    (packed_mm for packed weights) replaces both where given."""
+    (packed_linear for packed weights) replaces both where given."""
     for qkv, o, gate_up, down in stack:
         lin = mm or F.linear
         lin(x, qkv)
@@ -89,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         "row": (stack, head, None),
         "column": ([[column_major(w) for w in ws] for ws in stack], column_major(head), None)}
     if packed_linear_available():
-        layouts["packed"] = ([[pack(w) for w in ws] for ws in stack], pack(head), packed_mm)
+        layouts["packed"] = ([[pack_weight(w) for w in ws] for ws in stack], pack_weight(head),
+                             packed_linear)
     table, results = [], []
     for m in rows:
         x = torch.randn(m, HEAD[1], generator=torch.Generator().manual_seed(m))

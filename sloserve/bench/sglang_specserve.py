@@ -146,7 +146,8 @@ def _env_suffixes(system: str) -> tuple[str, dict[str, str]]:
 
 def system_env(system: str) -> dict[str, str]:
     """The environment one system's server adds: `SYSTEM/row`: SGLang's row-major weights
-    (`/column`, `/packed`: those layouts); `SYSTEM/f32-draft`: SPECSERVE's draft model in float32 (not bf16 where the CPU has it)."""
+    (`/column`, `/packed`: those layouts); `SYSTEM/f32-draft`: SPECSERVE's draft model in
+    float32 (not bf16 where the CPU has it)."""
     return _env_suffixes(system)[1]
 
 

@@ -38,9 +38,10 @@ from typing import Any
 
 import torch
 
+from sloserve.runtime.models.cpu_linear import pack_weight, packed_linear
+
 LAYOUT_ENV = "SLOSERVE_CPU_WEIGHTS"
 LAYOUTS = ("auto", "packed", "column", "row")
-PACK_ROWS = 32  # oneDNN's packing hint: the row count the layout is tuned for (any works)
 
 
 def layout_from_env(vendor: str | None = None, packable: bool | None = None) -> str:
@@ -120,7 +121,7 @@ class PackedF32Method:
 
     def __init__(self, inner: Any, weight: torch.Tensor, release: bool = False) -> None:
         self.inner = inner
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+        self.packed = pack_weight(weight)
         self.out_features = int(weight.shape[0])
         if release:
             weight.data = torch.full((1,), float("nan"), dtype=weight.dtype,
@@ -134,7 +135,7 @@ class PackedF32Method:
               bias: torch.Tensor | None = None) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [M, K]
-        out = torch.ops.mkldnn._linear_pointwise(x2, self.packed, bias, "none", [], "")
+        out = packed_linear(x2, self.packed, bias)
         return out.reshape(*lead, self.out_features)
 
     def __getattr__(self, name: str) -> Any:
@@ -149,8 +150,9 @@ _PACKABLE_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
 def pack_linear_weights(model: Any) -> int:
     """Give every float32 CPU linear layer of SGLang's (unquantized linear method) and the LM
     head (tied or not) a PackedF32Method, in place (see the module's docstring); the number of
-    layers changed. Parameters are untouched; layers of other dtypes or devices, ones SGLang
-    packed for its AMX kernels and ones already packed are left alone."""
+    layers changed. A linear layer's weight is freed (PackedF32Method's release), the head's
+    kept; layers of other dtypes or devices, ones SGLang packed for its AMX kernels and ones
+    already packed are left alone."""
     if not isinstance(model, torch.nn.Module):
         return 0
     modules = {id(m): m for m in model.modules()

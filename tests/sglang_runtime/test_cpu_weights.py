@@ -122,7 +122,8 @@ def test_the_launcher_refuses_an_unknown_layout(monkeypatch, capsys):
 def test_the_layout_benchmark_runs_both_layouts_on_the_same_products(tmp_path):
     import json
 
-    from sloserve.bench.cpu_weights import main, pack, packed_mm, products, weights
+    from sloserve.bench.cpu_weights import main, products, weights
+    from sloserve.runtime.models.cpu_linear import pack_weight, packed_linear
 
     stack, head = weights(1)
     x = torch.randn(3, head.shape[1])
@@ -132,7 +133,8 @@ def test_the_layout_benchmark_runs_both_layouts_on_the_same_products(tmp_path):
     packed = packed_linear_available()
     if packed:
         torch.testing.assert_close(
-            products(x, [[pack(w) for w in ws] for ws in stack], pack(head), packed_mm),
+            products(x, [[pack_weight(w) for w in ws] for ws in stack], pack_weight(head),
+                     packed_linear),
             products(x, stack, head))
     out = tmp_path / "bench.json"
     assert main(["--rows", "1,3", "--layers", "1", "--repeats", "1", "--out", str(out)]) == 0

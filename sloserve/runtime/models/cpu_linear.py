@@ -11,7 +11,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-_PACK_ROWS = 32  # packing hint: the batch size the layout is tuned for (any size works)
+PACK_ROWS = 32  # packing hint: the batch size the layout is tuned for (any size works)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] float32 -> an opaque oneDNN tensor [N, K] laid out for packed_linear."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] times a pack_weight() weight, plus bias: [M, N] (F.linear's product)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def packed_linear_available() -> bool:
@@ -24,17 +35,16 @@ def packed_linear_available() -> bool:
 
 
 class PackedLinear(nn.Module):
+    packed: torch.Tensor  # the buffer below
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.weight = linear.weight  # kept for inspection and state_dict()
         self.bias = linear.bias
-        self.register_buffer(
-            "packed", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), _PACK_ROWS),
-            persistent=False,
-        )
+        self.register_buffer("packed", pack_weight(linear.weight), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return packed_linear(x, self.packed, self.bias)
 
 
 def _replace_linears(model: nn.Module, dtype: torch.dtype, wrap) -> int:
