@@ -74,16 +74,22 @@ class StepTimer:
     """Per-step cached quantities of the cost model: build once per decode step.
 
     Every policy that scores plans during a step shares these sums, so each score is a
-    handful of float operations. lag_cap: price at most this many catch-up tokens per request
-    (SpecServe's amortized pricing, policies/specserve/plan.py); None prices the real lag.
+    handful of float operations. Catch-up pricing (SpecServe's, policies/specserve/plan.py):
+    lag_cap prices at most this many catch-up tokens per request, None the real lag;
+    lag_credit ([B] tokens) prices request r's lag less lag_credit[r] but never below
+    min(lag, lag_cap) (lag_cap None: 0), the catch-up its forgone gains have paid for.
     """
 
-    def __init__(self, cost: CostModel, step: StepInfo, lag_cap: float | None = None) -> None:
+    def __init__(self, cost: CostModel, step: StepInfo, lag_cap: float | None = None,
+                 lag_credit: np.ndarray | None = None) -> None:
         self.cost = cost
         self.batch_size = step.batch_size
         self.n = np.asarray(step.context_lens, dtype=np.float64)  # [B] target KV lengths
         self.lag = draft_lag(step)  # [B]
-        if lag_cap is not None:
+        if lag_credit is not None:
+            floor = np.minimum(self.lag, lag_cap) if lag_cap is not None else 0.0
+            self.lag = np.maximum(self.lag - lag_credit, floor)
+        elif lag_cap is not None:
             self.lag = np.minimum(self.lag, lag_cap)
         self.has_lag = bool(np.count_nonzero(self.lag))
         self.verify_ctx = float(self.n.sum()) + float(step.prefill_context)

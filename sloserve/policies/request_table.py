@@ -19,6 +19,9 @@ class RequestTable:
         # [capacity] True from a slot's allocation until its owner clears it (what "fresh"
         # means is the owner's: SpecServe, no draft token of the request's own seen yet)
         self.fresh = np.zeros(capacity, dtype=bool)
+        # [capacity] a second float64 value per request, 0 from the slot's allocation (its
+        # meaning is the owner's too: SpecServe, the catch-up credit in seconds)
+        self.credit = np.zeros(capacity)
         self._index: dict[str, int] = {}
         self._free: list[int] = []
         self._next = 0
@@ -62,7 +65,9 @@ class RequestTable:
             if slot >= self.values.size:
                 self.values = np.concatenate([self.values, np.zeros(self.values.size)])
                 self.fresh = np.concatenate([self.fresh, np.zeros(self.fresh.size, bool)])
+                self.credit = np.concatenate([self.credit, np.zeros(self.credit.size)])
         self.values[slot] = fill
+        self.credit[slot] = 0.0
         self.fresh[slot] = True
         self._index[request_id] = slot
         return slot

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from sloserve.estimator.cost_model import ForwardCost
+from sloserve.estimator.step_time import StepTimer, draft_lag
 from sloserve.slo import slo_array
 from sloserve.speculation import SpecPolicy, SpecSession, StepInfo, VerifyOutcome
 
@@ -63,11 +64,12 @@ class SGLangStep:
     draft_time: float = 0.0  # measured seconds of the draft forwards (catch-up included)
     extend_time: float = 0.0  # ... of the draft reading the verified window
     # rows the draft's first round read besides the bonus tokens (prompts, steps without
-    # drafting, the last accepted draft: draft_chain.AlignedDraft.first_round)
+    # drafting, the last accepted draft of the requests that draft: AlignedDraft.first_round)
     catch_up_rows: int = 0
-    # ... their seconds beyond what the cost model prices for the first round (one row a
-    # request: StepInfo.draft_lag), at the draft's profiled price a row: earlier steps'
-    # deferred cost, not this step's choice, so the policy learns from the step less this
+    # ... their seconds beyond the rows the plan priced for the requests that drafted (its
+    # StepTimer's lag: the catch-up less what lag_cap and each request's credit excuse), at
+    # the draft's profiled price a row: earlier steps' deferred cost the plan chose not to
+    # price, so the policy learns from the step less this
     catch_up_time: float = 0.0
     verify_time: float = 0.0  # ... of the target's verify forward
     chain_conf: np.ndarray | None = None  # [B, k] a uniform chain's confidences (profiling)
@@ -123,9 +125,12 @@ class StepController:
     on_outcome: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None
 
     def begin(self, rids: Sequence[str], seq_lens: Sequence[int],
-              tpot_slos: Sequence[float | None]) -> SGLangStep:
+              tpot_slos: Sequence[float | None],
+              draft_lags: Sequence[int] | None = None) -> SGLangStep:
         """The speculation of a decode batch. seq_lens: tokens per request including the one
-        this step feeds; tpot_slos: each request's own SLO (None: the server's default).
+        this step feeds; tpot_slos: each request's own SLO (None: the server's default);
+        draft_lags: positions each request's draft catch-up would read besides its bonus
+        token if it drafted (AlignedDraft.lags; None: one each).
         A uniform step has its rounds fixed (the plan's batch_rounds, or the profiling
         sweep); a per-request step prepares k_max rounds if anyone drafts position 1."""
         B = len(rids)
@@ -134,7 +139,8 @@ class StepController:
             context_lens=np.asarray(seq_lens, dtype=np.int64) - 1,  # KV already cached
             tpot_slo=slo_array(tpot_slos, self.default_tpot_slo),
             k_max=self.k_max,
-            draft_lag=np.ones(B, dtype=np.int64),  # the draft extend feeds last step's tokens
+            draft_lag=(np.ones(B, dtype=np.int64) if draft_lags is None
+                       else np.asarray(draft_lags, dtype=np.int64)),
         )
         session = SpecSession(self.policy, step)
         if self.sweep:
@@ -205,10 +211,9 @@ class StepController:
         # own work between decode steps (prefills included), for the timings lines
         gap = step.started - self._last_finish if self._last_finish is not None else None
         self._last_finish = end
-        # what drafting cost this step: its rounds, not the catch-up rows past the one a
-        # request the model prices (draft_lag), at the draft's price a row (query token and
-        # context token)
-        extra = max(0, step.catch_up_rows - B)
+        # what drafting cost this step: its rounds, not the catch-up rows past those the plan
+        # priced, at the draft's price a row (query token and context token)
+        extra = max(0.0, step.catch_up_rows - _priced_lag(s))
         d = self.draft_cost
         step.catch_up_time = (min(step.draft_time, (d.a + d.b) * extra)
                               if d is not None and extra else 0.0)
@@ -294,6 +299,14 @@ class StepController:
     def release_policy(self, rid: str) -> None:
         """The request finished: drop the policy's state for it."""
         self.policy.release(rid)
+
+
+def _priced_lag(s: SpecSession) -> float:
+    """Catch-up rows the step's plan priced for the requests that drafted: its StepTimer's
+    lag (SpecServe's, less lag_cap and credit), else the step's draft_lag."""
+    timer = getattr(s.plan, "timer", None)
+    lag = timer.lag if isinstance(timer, StepTimer) else draft_lag(s.step)
+    return float(lag[s.drafted > 0].sum())
 
 
 def _jsonable(a: np.ndarray) -> list:

@@ -36,7 +36,7 @@ backends are built here per k with k + 1 positions (SGLang's hold k - 1 draft fo
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -71,6 +71,9 @@ RoundsDone = Callable[[int], None]
 # (the batch, rows) of a step's catch-up: the rows its first round read besides the bonus
 # tokens (the controller prices them: controller.py)
 CatchUpSink = Callable[[Any, int], None]
+# the batch -> [bs] whether each request drafts the step's first round (None: all do); a
+# catch-up reads the missing positions of those requests only
+Drafters = Callable[[Any], "Sequence[bool] | np.ndarray | None"]
 
 
 def _plain_logits(batch: Any, si: Any) -> bool:
@@ -106,9 +109,11 @@ class AlignedDraft:
 
     def __init__(self, dw: Any, k_max: int, on_chain: ChainSink | None = None,
                  on_round: RoundHook | None = None, on_stop: RoundsDone | None = None,
-                 on_catch_up: CatchUpSink | None = None) -> None:
+                 on_catch_up: CatchUpSink | None = None,
+                 drafters: Drafters | None = None) -> None:
         self.dw = dw
         self.on_catch_up = on_catch_up
+        self.drafters = drafters
         self.on_chain = on_chain
         self.on_round = on_round  # the plan's early stop (None: always k rounds)
         self.on_stop = on_stop
@@ -137,6 +142,14 @@ class AlignedDraft:
 
     def release(self, rid: str) -> None:
         """The request finished (the draft's KV goes with SGLang's slots)."""
+
+    def lags(self, batch: Any) -> list[int]:
+        """[bs] positions each request's catch-up would read besides its bonus token if it
+        drafted this step (StepInfo.draft_lag: its prompt before it first drafts, a token a
+        step without drafting, the last accepted draft)."""
+        if self._book is None:
+            return [0] * len(batch.reqs)
+        return self.book.lags(_rows(batch), _seq_lens(batch))
 
     def backend(self, k: int) -> Any:
         """The multi-step draft attention backend for k forwards (SGLang's factory builds one
@@ -203,17 +216,24 @@ class AlignedDraft:
         return self._next_input(len(batch.seq_lens), next_token_ids)
 
     # ----- the first round of a step that drafts, with what was not read before it
-    def first_round(self, batch: Any, bonus: torch.Tensor, loc0: torch.Tensor
-                    ) -> torch.Tensor | None:
-        """When anyone in the batch misses draft KV (prompts not read, steps that drafted
+    def first_round(self, batch: Any, bonus: torch.Tensor, loc0: torch.Tensor,
+                    locs: torch.Tensor) -> torch.Tensor | None:
+        """When a request that drafts misses draft KV (prompts not read, steps that drafted
         nothing, holes in a cached prefix): one ragged extend over positions start_r..L_r of
         each request, the bonus token [bs] at L_r in its round-1 slot loc0 [bs], returning
         the logits of each request's last row ([bs, V]: round 1's); else None (round 1 runs
-        as a draft decode forward). The rows read besides the bonus tokens go to
-        `on_catch_up`."""
+        as a draft decode forward). A request that does not draft (`drafters`) reads its
+        bonus token only and keeps what it misses, which the policy did not pay for: its
+        rounds run in SGLang's batch forward on the KV it has, their proposals unused, and
+        the slots they write ([k + 1, bs] locs) stay marked unread. The rows read besides
+        the bonus tokens go to `on_catch_up`."""
         rows, lens = _rows(batch), _seq_lens(batch)
-        starts = self.book.catch_up(rows, lens)
+        drafting = self.drafters(batch) if self.drafters is not None else None
+        # kept: batch indices of requests that miss positions but do not draft
+        starts, kept = self.book.drafters_catch_up(rows, lens, drafting)
         if starts is None:
+            if kept:
+                self.book.unread(locs[:, kept].reshape(-1))
             return None
         dw = self.dw
         self.book.bonus(rows, lens, bonus)
@@ -242,6 +262,9 @@ class AlignedDraft:
         fb.return_logprob = False
         logits = logits32(dw.draft_runner.forward(fb).logits_output.next_token_logits)  # [bs, V]
         self.book.written(slots)
+        if kept:  # (after `written`: their bonus slot is one of the extend's)
+            self.book.unread(locs[:, kept].reshape(-1))
+            rows = [r for i, r in enumerate(rows) if i not in set(kept)]
         self.book.caught_up(rows)
         missed = cb.extend_num_tokens - bs
         self.caught_up_tokens += missed
@@ -317,7 +340,7 @@ class AlignedDraft:
         tokens = draft_input.bonus_tokens.to(torch.int64).reshape(bs)
         # round 1 with the catch-up when anyone misses draft KV (before the multi-step
         # backend's metadata: that forward runs on the draft runner's own backend)
-        first = self.first_round(batch, tokens, locs[0])
+        first = self.first_round(batch, tokens, locs[0], locs)
         backend = self.backend(k)
         backend.init_forward_metadata(fb)
         fb.mark_forward_metadata_ready()
@@ -392,8 +415,9 @@ class NgramDraft(AlignedDraft):
 
     def __init__(self, dw: Any, k_max: int, on_chain: ChainSink | None = None,
                  on_round: RoundHook | None = None, on_stop: RoundsDone | None = None,
-                 on_catch_up: CatchUpSink | None = None, n_max: int = 3) -> None:
-        super().__init__(dw, k_max, on_chain, on_round, on_stop, on_catch_up)
+                 on_catch_up: CatchUpSink | None = None, drafters: Drafters | None = None,
+                 n_max: int = 3) -> None:
+        super().__init__(dw, k_max, on_chain, on_round, on_stop, on_catch_up, drafters)
         self.chains = NgramChains(n_max)
         # the chain `lookup` found for the step about to draft: tokens [bs, k] on the device
         self._pending: torch.Tensor | None = None

@@ -104,6 +104,31 @@ class DraftKVBook:
             return None
         return [min(self.stale_from.get(row, n), n) for row, n in zip(rows, seq_lens)]
 
+    def drafters_catch_up(self, rows: Sequence[int], seq_lens: Sequence[int],
+                          drafting: Sequence[bool] | None
+                          ) -> tuple[list[int] | None, list[int]]:
+        """catch_up for the requests that draft the step (drafting [bs], None: all of them):
+        (starts, kept). A request that does not draft starts at its bonus and keeps what it
+        misses: kept lists the batch indices of those that miss something (the caller marks
+        the slots their rounds write unread and leaves them stale). starts is None when no
+        drafting request misses anything."""
+        starts = self.catch_up(rows, seq_lens)
+        if starts is None:
+            return None, []
+        kept = [] if drafting is None else [
+            i for i, (d, s, n) in enumerate(zip(drafting, starts, seq_lens)) if not d and s < n]
+        for i in kept:
+            starts[i] = seq_lens[i]
+        if all(s >= n for s, n in zip(starts, seq_lens)):
+            return None, kept
+        return starts, kept
+
+    def lags(self, rows: Sequence[int], seq_lens: Sequence[int]) -> list[int]:
+        """[bs] positions before each request's bonus (at seq_lens[i]) a catch-up would read
+        now: 0 for a request that misses nothing."""
+        stale = self.stale_from
+        return [n - min(stale.get(row, n), n) for row, n in zip(rows, seq_lens)]
+
     def window(self, rows: Sequence[int], starts: Sequence[int],
                ends: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The tokens and KV slots of positions starts[i]..ends[i] - 1 of each row, request

@@ -142,7 +142,8 @@ class SpecServeWorker(StandaloneWorkerV2):  # type: ignore[misc]  # SGLang is un
                              on_chain=self._chain_drafted if wants_chain else None,
                              on_round=(self._after_round
                                        if self.per_request and not self.lookup_first else None),
-                             on_stop=self._rounds_done, on_catch_up=self._caught_up)
+                             on_stop=self._rounds_done, on_catch_up=self._caught_up,
+                             drafters=self._drafters if self.per_request else None)
         self.aligned.install()
         # the draft's matmuls in bf16 where the CPU multiplies bf16 in hardware (its KV,
         # norms and attention stay float32; the target's forwards are untouched)
@@ -181,7 +182,8 @@ class SpecServeWorker(StandaloneWorkerV2):  # type: ignore[misc]  # SGLang is un
             seq_lens = (batch.seq_lens_cpu if getattr(batch, "seq_lens_cpu", None) is not None
                         else batch.seq_lens).tolist()
             slos = [valid_slo(stated_slo(r.sampling_params, "tpot_slo")) for r in reqs]
-            step = self.controller.begin([r.rid for r in reqs], seq_lens, slos)
+            step = self.controller.begin([r.rid for r in reqs], seq_lens, slos,
+                                         self.aligned.lags(batch))
             if self.lookup_first:
                 assert isinstance(self.aligned, NgramDraft)
                 conf = self.aligned.lookup(batch, self.controller.k_max)
@@ -221,6 +223,11 @@ class SpecServeWorker(StandaloneWorkerV2):  # type: ignore[misc]  # SGLang is un
         step = _step_of(batch)
         if step is not None:  # read inside the timed draft; the controller prices them
             step.catch_up_rows += rows
+
+    def _drafters(self, batch: Any) -> np.ndarray | None:
+        """[bs] who drafts the first round of a per-request step (the plan's choice)."""
+        step = _step_of(batch)
+        return step.session.drafting if step is not None and step.per_request else None
 
     def _rounds_done(self, rounds: int) -> None:
         assert self.adaptive_controller is not None

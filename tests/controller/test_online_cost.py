@@ -128,28 +128,76 @@ def test_policy_drafts_less_once_speculation_measures_dearer_than_profiled():
     assert late_corrected < 0.8 * late_profile
 
 
-def test_a_paused_request_resumes_priced_like_one_that_drafted_last_step():
-    """Catch-up tokens owed to the draft model after steps without drafting are not charged
-    to the step that resumes (they would grow a token per paused step and make every pause
-    permanent)."""
+def _plain_outcome(B: int, step_time: float) -> VerifyOutcome:
+    zeros = np.zeros(B, dtype=np.int64)
+    return VerifyOutcome(drafted=zeros, verified=zeros, accepted=zeros,
+                         confidences=np.zeros((B, 0)), step_time=step_time, draft_time=0.0)
+
+
+def _steps_until_drafting(policy: SpecServePolicy, B: int, lag: int, limit: int) -> int:
+    """Plain steps a batch owing `lag` catch-up tokens a request (one more each step) runs
+    before the policy drafts; `limit` if it never does."""
+    for i in range(limit):
+        plan = policy.plan(make_step(B, context=512, lag=np.full(B, lag + i)))
+        if plan.drafting.any():
+            return i
+        policy.observe(plan, _plain_outcome(B, plan.timer.plain))
+    return limit
+
+
+def test_a_paused_request_resumes_once_its_forgone_gains_pay_its_catch_up():
+    """Catch-up tokens owed to the draft model after steps without drafting (or a prompt it
+    never read) are priced in full less the request's credit: what its next draft token
+    would have saved in each step it did not draft. So a pause ends after about as many
+    steps as the catch-up costs in forgone gains (a ski-rental rule), not at once (a batch
+    that drafted once in a while paid every request's catch-up each time) and not never (a
+    price that grows a token per paused step made every pause permanent)."""
     B = 16
-    after_pause = SpecServePolicy(COST, 8, prior=0.8).plan(
-        make_step(B, context=512, lag=np.full(B, 40))).drafting
     steady = SpecServePolicy(COST, 8, prior=0.8).plan(
         make_step(B, context=512, lag=np.ones(B))).drafting
-    np.testing.assert_array_equal(after_pause, steady)
-    assert steady.any()
-    real_price = SpecServePolicy(COST, 8, prior=0.8, lag_cap=None).plan(
-        make_step(B, context=512, lag=np.full(B, 40))).drafting
-    assert real_price.sum() < steady.sum()  # what the cap is for
-    # under a binding SLO the step's real time counts: the catch-up is priced in full
+    assert steady.all()
+    # the old rule, lag_cap alone: a pause of any length is priced like one step's
+    assert _steps_until_drafting(SpecServePolicy(COST, 8, prior=0.8, lag_credit=False),
+                                 B, 400, 100) == 0
+    policy = SpecServePolicy(COST, 8, prior=0.8)
+    waited = _steps_until_drafting(policy, B, 400, 100)
+    # 400 tokens at the draft's b are 40 ms a request; a step forgoes ~0.8 x 4.3 ms less
+    # the token's ~1.7 ms of draft and verify a request: ~22 steps
+    assert 10 <= waited <= 40
+    # a request that drafts pays its catch-up: its credit restarts
+    plan = policy.plan(make_step(B, context=512, lag=np.full(B, 400 + waited)))
+    drafted = plan.drafting.astype(np.int64)
+    policy.observe(plan, VerifyOutcome(
+        drafted=drafted, verified=drafted, accepted=drafted, confidences=np.full((B, 1), 0.9),
+        step_time=plan.time, draft_time=0.01))
+    assert not policy.history.credit[plan.slots].any()
+
+
+def test_drafting_that_does_not_pay_earns_no_credit():
+    """A request whose next draft token would not pay for itself at its prediction forgoes
+    nothing by not drafting: its catch-up stays priced in full and the pause lasts."""
+    B = 16
+    policy = SpecServePolicy(COST, 8, prior=0.2)
+    assert _steps_until_drafting(policy, B, 40, 50) == 50
+    assert not policy.history.credit.any()
+
+
+def test_the_catch_up_is_priced_less_its_credit_under_a_binding_slo_too():
+    """Under a binding SLO no token of the catch-up is free (no lag_cap), but the credit
+    counts as without one."""
+    B = 16
     slo = np.full(B, 10.0)
-    with_slo = SpecServePolicy(COST, 8, prior=0.8).plan(
-        make_step(B, context=512, lag=np.full(B, 40), slo=slo)).drafting
-    real_with_slo = SpecServePolicy(COST, 8, prior=0.8, lag_cap=None).plan(
-        make_step(B, context=512, lag=np.full(B, 40), slo=slo)).drafting
-    np.testing.assert_array_equal(with_slo, real_with_slo)
-    assert with_slo.sum() < steady.sum()
+    policy = SpecServePolicy(COST, 8, prior=0.8)
+    plan = policy.plan(make_step(B, context=512, lag=np.full(B, 400), slo=slo))
+    np.testing.assert_array_equal(plan.timer.lag, np.full(B, 400.0))  # no credit yet
+    assert not plan.drafting.any()
+    for i in range(1, 4):
+        policy.observe(plan, _plain_outcome(B, plan.timer.plain))
+        plan = policy.plan(make_step(B, context=512, lag=np.full(B, 400 + i), slo=slo))
+    assert (plan.timer.lag < 400.0).all()
+    old = SpecServePolicy(COST, 8, prior=0.8, lag_credit=False).plan(
+        make_step(B, context=512, lag=np.full(B, 403), slo=slo))
+    np.testing.assert_array_equal(old.timer.lag, np.full(B, 403.0))  # the real catch-up
 
 
 @pytest.mark.parametrize("rule", ["decode-only E", "paper E"])

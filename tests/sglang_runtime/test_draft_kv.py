@@ -132,3 +132,33 @@ def test_after_a_drafting_step_only_the_last_drafted_position_can_be_missing():
     starts, tokens = _first_round(book, [0, 1], [6, 3], [13, 23])
     assert starts == [5, 3]
     assert tokens == [12, 13, 23]
+
+
+def test_lags_count_what_a_catch_up_would_read_besides_the_bonus():
+    book = _book()
+    _prefill(book, 0, [5, 6, 7])
+    _prefill(book, 1, [8, 9])
+    assert book.lags([0, 1], [3, 2]) == [3, 2]  # the prompts
+    _first_round(book, [0, 1], [3, 2], [10, 20])
+    book.decoded(torch.tensor([0, 1]), torch.tensor([3, 2]), torch.tensor([[10, 11],
+                                                                           [20, 21]]))
+    assert book.lags([0, 1], [5, 3]) == [0, 0]
+    _skipped(book, [0, 1], [5, 3], torch.tensor([30, 40]))
+    _skipped(book, [0], [6], torch.tensor([31]))
+    assert book.lags([0, 1], [7, 4]) == [2, 1]
+
+
+def test_a_request_that_does_not_draft_keeps_its_lag():
+    """Only the requests that draft the step read what they miss (the policy priced their
+    catch-up alone); the others start at their bonus and stay stale."""
+    book = _book()
+    _prefill(book, 0, [5, 6, 7])
+    _prefill(book, 1, [8, 9])
+    _prefill(book, 2, [1, 2])
+    starts, kept = book.drafters_catch_up([0, 1, 2], [3, 2, 2], [True, False, False])
+    assert starts == [0, 2, 2] and kept == [1, 2]
+    assert book.drafters_catch_up([0, 1], [3, 2], None) == ([0, 0], [])
+    # nobody who drafts misses anything: no catch-up, the others still kept
+    book.caught_up([0])
+    assert book.drafters_catch_up([0, 1], [3, 2], [True, False]) == (None, [1])
+    assert book.lags([0, 1], [3, 2]) == [0, 2]

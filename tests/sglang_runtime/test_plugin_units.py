@@ -15,6 +15,7 @@ from sloserve.bench.synthetic import cpu_cost_model
 from sloserve.cli.sglang_launch import sglang_args
 from sloserve.estimator.step_time import StepTimer
 from sloserve.policies.registry import make_policy
+from sloserve.policies.specserve import SpecServePolicy
 from sloserve.runtime.config import EngineConfig
 from sloserve.sglang_ext import settings
 from sloserve.sglang_ext.controller import SGLangStepsPolicy, StepController
@@ -490,6 +491,25 @@ def test_a_drafting_step_learns_its_rounds_without_the_catch_up_rows(tmp_path):
         assert row["catch_up_rows"] == rows
         assert row["catch_up"] == pytest.approx(want)
     assert 0.0 < 300 * price < 0.05  # the middle case is priced, not capped
+
+
+def test_the_catch_up_the_plan_priced_stays_in_the_steps_drafting(tmp_path):
+    """With each request's real lag (AlignedDraft.lags) the plan prices a catch-up in full
+    until the request's credit pays for it (SpecServeOptions.lag_credit): only rows past
+    those come out of the step's drafting seconds."""
+    timings = tmp_path / "rows.jsonl"
+    price = COST.draft.a + COST.draft.b
+    for credit, want in ((True, 0.0), (False, 299 * price)):
+        policy = SpecServePolicy(COST, 3, lag_credit=credit)
+        ctl = StepController(policy, 3, sweep=(2,), timings_path=str(timings),
+                             draft_cost=COST.draft)
+        d = ctl.begin(["a", "b"], [340, 50], [None, None], draft_lags=[300, 0])
+        np.testing.assert_array_equal(d.session.step.draft_lag, [300, 0])
+        d.catch_up_rows = 300
+        d.add_times(draft=0.5, verify=0.1)
+        ctl.finish(d, [1, 1])
+        row = json.loads(timings.read_text().splitlines()[-1])
+        assert row["catch_up"] == pytest.approx(want)
 
 
 def test_sglang_profile_fits_the_draft_from_drafting_steps_only(tmp_path):

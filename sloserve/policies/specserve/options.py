@@ -47,6 +47,14 @@ class SpecServeOptions:
     initial_overrun: float = 2.0
     # catch-up tokens priced per request when no TPOT SLO binds (None: all of them)
     lag_cap: float | None = 1.0
+    # price the catch-up of a paused request in full less what it forwent by not drafting
+    # (its credit: each step it did not draft adds the seconds its next draft token would
+    # have saved), never below lag_cap's price: a pause ends once the gains it missed
+    # cover the catch-up (a ski-rental rule). Off: lag_cap alone, the catch-up unpriced
+    # past it, and a batch that drafts once in a while pays every request's catch-up
+    # each time (SGLang's CPU engine at C = 16: 2% of steps, each 190 ms over a decode
+    # step, BENCHMARKS.md 2026-12-03)
+    lag_credit: bool = True
     correct_cost: bool = True  # correct the profile online from measured step times
     score_prefill: bool = False  # True: the paper's E over the whole step, prefill included
     small_batch: int = SMALL_BATCH  # at most this many requests: plans on Python floats

@@ -76,7 +76,7 @@ class SpecServePlan(SpecPlan):
     """A step planned on numpy arrays (batches above SpecServeOptions.small_batch)."""
 
     def __init__(self, step: StepInfo, slots: np.ndarray, pred: np.ndarray,
-                 inputs: PlanInputs) -> None:
+                 inputs: PlanInputs, lag_credit: np.ndarray | None = None) -> None:
         B = step.batch_size
         opts = inputs.options
         self.step = step
@@ -85,8 +85,11 @@ class SpecServePlan(SpecPlan):
         k_max = max(0, min(inputs.k_max, step.k_max))
         self.k_max = k_max
         slo = binding_slo(step)
-        # catch-up priced amortized only without a binding SLO (docs/design.md sec. 5)
-        self.timer = StepTimer(cost, step, opts.lag_cap if slo == float("inf") else None)
+        # catch-up priced amortized only without a binding SLO, less each request's credit
+        # ([B] tokens, lag_credit; docs/design.md sec. 5)
+        self.timer = StepTimer(cost, step, opts.lag_cap if slo == float("inf") else None,
+                               lag_credit)
+        self.lag_credit = lag_credit
         self.slo = slo / inputs.slo_scale
         self.slots = slots  # [B] the requests' rows in the policy's history (read-only)
         self.pred = pred  # [B], owned by the plan

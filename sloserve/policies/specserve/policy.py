@@ -92,9 +92,36 @@ class SpecServePolicy(SpecPolicy):
         fresh = self.history.fresh[slots]
         if fresh.any():
             np.maximum(pred, self.options.prior, out=pred, where=fresh)
+        credit = self._lag_credit(step, slots, inputs.prices.cost)
         if B <= self.options.small_batch:
-            return SmallSpecServePlan(step, slots, pred, inputs)
-        return SpecServePlan(step, slots, pred, inputs)
+            return SmallSpecServePlan(step, slots, pred, inputs, credit)
+        return SpecServePlan(step, slots, pred, inputs, credit)
+
+    def _lag_credit(self, step: StepInfo, slots: np.ndarray, cost: CostModel
+                    ) -> np.ndarray | None:
+        """[B] catch-up tokens each request's credit pays for (lag_credit), None when no
+        request owes more than one token (the credit changes nothing then)."""
+        lag = step.draft_lag
+        if not self.options.lag_credit or lag is None or not len(lag) or int(lag.max()) <= 1:
+            return None
+        row = cost.draft.b  # seconds a catch-up token adds to the draft's first forward
+        credit = self.history.credit[slots]
+        return credit / row if row > 0.0 else np.full(len(slots), np.inf)
+
+    def _earn_credit(self, plan: SpecServePlan, drafted: np.ndarray) -> None:
+        """After a step with catch-up owed: a request that drafted has paid its catch-up (its
+        credit restarts at 0); one that did not adds what its next draft token would have
+        saved, had its catch-up been paid: its predicted acceptance times the seconds a
+        token of plain decoding takes here, less the draft and verify seconds of that
+        token (sec. 5, lag_credit)."""
+        timer, d = plan.timer, plan.cost.draft
+        B = timer.batch_size
+        pred = np.asarray(plan.predictions(), dtype=np.float64)  # [B]
+        per_token = (timer.plain - timer.prefill) / B
+        value = pred * per_token - (d.a * timer.n + d.b + timer.token_time)  # [B] seconds
+        credit = self.history.credit
+        slots = plan.slots
+        credit[slots] = np.where(drafted > 0, 0.0, credit[slots] + np.maximum(value, 0.0))
 
     def observe(self, plan: SpecPlan, outcome: VerifyOutcome) -> None:
         """Calibrate g, keep the per-request histories, refresh the global prior, correct
@@ -120,6 +147,8 @@ class SpecServePolicy(SpecPolicy):
                 measured = not step.prefill_tokens and predicted > 0.0
                 self.guard.record(outcome.step_time / predicted if measured else 1.0)
         if step.batch_size:
+            if plan.lag_credit is not None:
+                self._earn_credit(plan, outcome.drafted)
             # (a request released during the step writes a free slot: refilled on reuse)
             slots = plan.slots
             self.history.values[slots] = plan.predictions()
