@@ -38,8 +38,11 @@ def test_streams_tokens_and_honours_arrivals(fake_sglang):
         assert -1e-3 <= lag < 0.1  # sent at its arrival time, not before
         ttft = rec.chunk_s[0] - rec.send_s
         assert 0.05 <= ttft < 0.5  # the fake server waits 50 ms before the first chunk
-    gaps = [b - a for a, b in zip(r0.chunk_s, r0.chunk_s[1:])]
-    assert all(g >= 0.009 for g in gaps)
+    # each chunk stamped when it arrived: never before the server sent it (ttft, then itl
+    # between chunks). Gaps between receipts are not bounded below: a client that was
+    # descheduled reads two chunks at once (CI: 0 ms once, on a loaded 2-core machine)
+    assert list(r0.chunk_s) == sorted(r0.chunk_s)
+    assert r0.chunk_s[-1] - r0.send_s >= 0.05 + 2 * 0.01 - 1e-3
     # what the server received
     bodies = {b["rid"]: b for _, b in fake_sglang.received}
     assert bodies["r0"]["input_ids"] == [1, 2, 3] and "text" not in bodies["r0"]
