@@ -29,7 +29,7 @@ other way, a slot whose KV the draft did write: it only makes a later reader rea
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -105,7 +105,7 @@ class DraftKVBook:
         return [min(self.stale_from.get(row, n), n) for row, n in zip(rows, seq_lens)]
 
     def drafters_catch_up(self, rows: Sequence[int], seq_lens: Sequence[int],
-                          drafting: Sequence[bool] | None
+                          drafting: Iterable[bool] | None
                           ) -> tuple[list[int] | None, list[int]]:
         """catch_up for the requests that draft the step (drafting [bs], None: all of them):
         (starts, kept). A request that does not draft starts at its bonus and keeps what it
