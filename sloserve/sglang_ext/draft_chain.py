@@ -264,7 +264,8 @@ class AlignedDraft:
         self.book.written(slots)
         if kept:  # (after `written`: their bonus slot is one of the extend's)
             self.book.unread(locs[:, kept].reshape(-1))
-            rows = [r for i, r in enumerate(rows) if i not in set(kept)]
+            stale = set(kept)
+            rows = [r for i, r in enumerate(rows) if i not in stale]
         self.book.caught_up(rows)
         missed = cb.extend_num_tokens - bs
         self.caught_up_tokens += missed
