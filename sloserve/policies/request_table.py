@@ -22,6 +22,9 @@ class RequestTable:
         # [capacity] a second float64 value per request, 0 from the slot's allocation (its
         # meaning is the owner's too: SpecServe, the catch-up credit in seconds)
         self.credit = np.zeros(capacity)
+        # [capacity] a third, likewise 0 from allocation (SpecServe: the request's own draft
+        # tokens its value has absorbed)
+        self.seen = np.zeros(capacity)
         self._index: dict[str, int] = {}
         self._free: list[int] = []
         self._next = 0
@@ -66,8 +69,10 @@ class RequestTable:
                 self.values = np.concatenate([self.values, np.zeros(self.values.size)])
                 self.fresh = np.concatenate([self.fresh, np.zeros(self.fresh.size, bool)])
                 self.credit = np.concatenate([self.credit, np.zeros(self.credit.size)])
+                self.seen = np.concatenate([self.seen, np.zeros(self.seen.size)])
         self.values[slot] = fill
         self.credit[slot] = 0.0
+        self.seen[slot] = 0.0
         self.fresh[slot] = True
         self._index[request_id] = slot
         return slot

@@ -376,3 +376,30 @@ def test_slo_guard_counts_plain_steps_that_run_long_but_not_prefill_steps():
                                                      accepted=zeros, confidences=np.zeros((8, 0)),
                                                      step_time=3.0 * plain, draft_time=0.0))
     assert fresh.guard.scale == 1.0
+
+
+@pytest.mark.parametrize("batch", [1, 12])  # the Python-float plan and the numpy one
+def test_specserve_new_requests_of_a_hopeless_draft_stop_after_their_first_round(batch):
+    """Where the running prior has fallen (requests before accepted little), a new request
+    still drafts its first round at the configured prior (the test above), but its
+    confidences then correct the running prior, not that floor: one whose draft agrees with
+    nothing stops after that round instead of drafting on for several steps while its
+    estimate sinks from 0.6 (the weak draft inside SGLang at C = 1 drafted ~4 steps a
+    request so)."""
+    rng = np.random.default_rng(3)
+    work = SyntheticWorkload(rng, concentration=30.0)
+    step = make_step(batch)
+    policy = SpecServePolicy(COST, 8)
+    policy.prior = 0.15  # the running prior after hopeless requests
+    steps_drafting = np.zeros(batch)
+    for _ in range(12):
+        steps_drafting += drive_step(policy, step, work, np.full(batch, 0.05)).drafted > 0
+    assert steps_drafting.min() >= 1  # each was measured once ...
+    assert steps_drafting.max() == 1  # ... and that was enough
+    # good newcomers on the same fallen prior still go on drafting (their first token
+    # weighs as much as the prior: test_specserve_measures_new_requests_after_the_prior_fell)
+    good = make_step(batch, ids=[f"g{i}" for i in range(batch)])
+    policy.prior = 0.15
+    drafted = [drive_step(policy, good, work, np.full(batch, 0.95)).drafted.sum()
+               for _ in range(6)]
+    assert min(drafted) >= batch

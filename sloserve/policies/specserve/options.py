@@ -18,6 +18,9 @@ PRIOR_EMA = 0.05
 # g(c): a weight of 0.3 let one rejection cut a 0.9 prediction to 0.63; 0.1 averages ~10.
 COUNT_EMA = 0.1
 CALIBRATE_EVERY = 8
+# a request's own draft tokens counted towards its prediction's weights (1 / (n + 1) for
+# the n-th, the running prior counting as one, until below `ema`): a few are enough
+SEEN_CAP = 8.0
 SMALL_BATCH = 8
 
 

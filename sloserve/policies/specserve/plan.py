@@ -40,7 +40,7 @@ from sloserve.estimator.acceptance import ConfidenceCalibrator, chain_probs
 from sloserve.estimator.cost_model import CostModel
 from sloserve.estimator.efficiency import binding_slo
 from sloserve.estimator.step_time import StepTimer
-from sloserve.policies.specserve.options import COLLAPSE, COUNT_EMA, SpecServeOptions
+from sloserve.policies.specserve.options import COLLAPSE, COUNT_EMA, SEEN_CAP, SpecServeOptions
 from sloserve.speculation import SpecPlan, StepInfo
 from sloserve.verifier.elimination import eliminate_padded, eliminate_plan
 
@@ -76,7 +76,8 @@ class SpecServePlan(SpecPlan):
     """A step planned on numpy arrays (batches above SpecServeOptions.small_batch)."""
 
     def __init__(self, step: StepInfo, slots: np.ndarray, pred: np.ndarray,
-                 inputs: PlanInputs, lag_credit: np.ndarray | None = None) -> None:
+                 inputs: PlanInputs, lag_credit: np.ndarray | None = None,
+                 first: np.ndarray | None = None, seen: np.ndarray | None = None) -> None:
         B = step.batch_size
         opts = inputs.options
         self.step = step
@@ -93,6 +94,14 @@ class SpecServePlan(SpecPlan):
         self.slo = slo / inputs.slo_scale
         self.slots = slots  # [B] the requests' rows in the policy's history (read-only)
         self.pred = pred  # [B], owned by the plan
+        # [B] the predictions a first draft round is planned at (a request none of whose own
+        # drafts was seen yet at least at the configured prior); pred itself, the estimate
+        # the request's confidences correct, starts from the running prior
+        self.first = pred if first is None else first
+        # [B] draft tokens of its own each request's prediction has absorbed (capped): the
+        # running prior counts as one, so the n-th token of a new request weighs 1 / (n + 1)
+        # until that falls below the EMA's weight
+        self.seen = np.zeros(B) if seen is None else seen
         self.p_last = np.ones(B)
         self.tokens = float(B)  # plain decoding: one token each
         self.time = self.timer.plain
@@ -160,7 +169,7 @@ class SpecServePlan(SpecPlan):
         if B == 0 or k_max <= 0:
             return 0
         times = self.timer.uniform(k_max)  # [k_max + 1]
-        pred = np.asarray(self.predictions(), dtype=np.float64)  # [B]
+        pred = np.asarray(self._first_predictions(), dtype=np.float64)  # [B]
         chain = np.ones(B)
         tokens = float(B)
         best_k, best_tokens = 0, tokens
@@ -184,11 +193,12 @@ class SpecServePlan(SpecPlan):
         """Learn the predictions from verify outcomes when the caller has no confidences:
         each verified position up to the first rejection is one sample of the conditional
         acceptance (1 accepted, 0 rejected), folded into the request's EMA in order (weight
-        COUNT_EMA)."""
-        pred, ema = self.predictions(), COUNT_EMA
+        COUNT_EMA), from the prediction its rounds were planned at (`first`: 0/1 outcomes
+        are too noisy to be weighed against the running prior as confidences are)."""
+        pred, first, ema = self.predictions(), self._first_predictions(), COUNT_EMA
         for r, (k, a) in enumerate(zip(np.asarray(verified).tolist(),
                                        np.asarray(accepted).tolist())):
-            x = pred[r]
+            x = first[r]
             for j in range(min(a + 1, k)):
                 x += ema * ((1.0 if j < a else 0.0) - x)
             pred[r] = x
@@ -197,6 +207,14 @@ class SpecServePlan(SpecPlan):
     def predictions(self) -> np.ndarray | list[float]:
         """[B] the requests' predictions after this step (the policy keeps them)."""
         return self.pred
+
+    def _first_predictions(self) -> np.ndarray | list[float]:
+        """[B] the predictions a first round is planned at (`first`)."""
+        return self.first
+
+    def observed(self) -> np.ndarray | list[float]:
+        """[B] draft tokens each request's prediction has absorbed, after this step."""
+        return self.seen
 
     def mean_prediction(self) -> float:
         return float(self.pred.dot(self.ones)) / self.step.batch_size
@@ -232,7 +250,8 @@ class SpecServePlan(SpecPlan):
         """Predict and pick the requests that draft position j + 1. weight: [B] 1 for
         candidates (0 or False for the others); with self.p_last it gives each one's gain."""
         opts = self.inputs.options
-        gain = self.p_last * self.pred
+        pred = self.first if j == 0 else self.pred
+        gain = self.p_last * pred
         gain *= weight  # [B] expected extra tokens (0 for non-candidates)
         cost = self.costs[j]  # [B] seconds, linear: ranks the requests
         # best tokens per second first (a stable sort: ties in the same order as the
@@ -259,7 +278,7 @@ class SpecServePlan(SpecPlan):
         if score[best] <= current:
             chosen = order[: best + 1].tolist()
             if not (opts.lookahead and self._pays_later(
-                    j, gain.take(chosen).tolist(), self.pred.take(chosen).tolist(),
+                    j, gain.take(chosen).tolist(), pred.take(chosen).tolist(),
                     float(tokens[best]), float(time[best]), current)):
                 return drafting
         drafting[order[: best + 1]] = True
@@ -323,6 +342,9 @@ class SpecServePlan(SpecPlan):
         self.p_last = p
         np.copyto(self.P[j - 1], p, where=drafting)
         self.tokens += float(p.dot(self.ones))  # p.sum(), without a reduction's overhead
+        # weight max(ema, 1 / (seen + 2)): the running prior counts as one token
+        weight = np.maximum(self.inputs.options.ema, 1.0 / (self.seen + 2.0))
         delta = acc - self.pred
-        delta *= self.inputs.options.ema
+        delta *= weight
         np.add(self.pred, delta, out=self.pred, where=drafting)  # only requests that drafted
+        np.add(self.seen, 1.0, out=self.seen, where=drafting & (self.seen < SEEN_CAP))

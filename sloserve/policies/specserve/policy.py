@@ -83,19 +83,26 @@ class SpecServePolicy(SpecPolicy):
                             self.guard.scale, self.verifier, ones, counts)
         slots = self.history.slots(step.request_ids, fill=self.prior)
         pred = self.history.values[slots]  # fancy index: a copy the plan owns
-        # a request none of whose own drafts was seen yet is planned at least at the
-        # configured prior: its first draft round is what measures it. The running prior is
-        # a mean over other requests; where it fell low enough that new requests never
+        # a request none of whose own drafts was seen yet has its first round planned at
+        # least at the configured prior: that round is what measures it. The running prior
+        # is a mean over other requests; where it fell low enough that new requests never
         # drafted, nothing was learned any more and speculation stayed off for good (the
         # SGLang plan test, built-in pair: 2 runs in 4 stopped at batch 12 with the prior at
-        # 0.39 while the greedy rows accepted 0.75 and k = 2 decoded 15% faster)
+        # 0.39 while the greedy rows accepted 0.75 and k = 2 decoded 15% faster). Its
+        # confidences then correct the running prior, not that floor: started from the
+        # floor, a new request of a draft that agrees with nothing drafted ~4 steps before
+        # its estimate fell below a round's price (SGLang, the weak draft at C = 1: 93 such
+        # steps in 1,318, each ~35 ms dearer; design sec. 5)
+        first = None
         fresh = self.history.fresh[slots]
         if fresh.any():
-            np.maximum(pred, self.options.prior, out=pred, where=fresh)
+            first = pred.copy()
+            np.maximum(first, self.options.prior, out=first, where=fresh)
+        seen = self.history.seen[slots]
         credit = self._lag_credit(step, slots, inputs.prices.cost)
         if B <= self.options.small_batch:
-            return SmallSpecServePlan(step, slots, pred, inputs, credit)
-        return SpecServePlan(step, slots, pred, inputs, credit)
+            return SmallSpecServePlan(step, slots, pred, inputs, credit, first, seen)
+        return SpecServePlan(step, slots, pred, inputs, credit, first, seen)
 
     def _lag_credit(self, step: StepInfo, slots: np.ndarray, cost: CostModel
                     ) -> np.ndarray | None:
@@ -152,6 +159,7 @@ class SpecServePolicy(SpecPolicy):
             # (a request released during the step writes a free slot: refilled on reuse)
             slots = plan.slots
             self.history.values[slots] = plan.predictions()
+            self.history.seen[slots] = plan.observed()
             fresh = self.history.fresh
             fresh[slots] &= outcome.drafted == 0
             # the prior follows the mean prediction over the live requests measured so far

@@ -12,6 +12,7 @@ calls a round. The policy uses it for batches of at most SpecServeOptions.small_
 
 State (lists of Python floats, one entry per request; P stays the numpy array of plan.py):
     pred_l   the predicted acceptance of the next draft token (plan.py's `pred`)
+    first_l  what a first round is planned at (`first`); seen_l: tokens absorbed (`seen`)
     p_last_l the chain probability of the last drafted position (`p_last`)
     n_l, lag_l  the StepTimer's context lengths and catch-up tokens (lag_l None: no lag)
 """
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sloserve.policies.specserve.options import COLLAPSE
+from sloserve.policies.specserve.options import COLLAPSE, SEEN_CAP
 from sloserve.policies.specserve.plan import SpecServePlan
 
 
@@ -32,6 +33,8 @@ class SmallSpecServePlan(SpecServePlan):
         self.n_l = t.n.tolist()
         self.lag_l = t.lag.tolist() if t.has_lag else None
         self.pred_l = self.pred.tolist()
+        self.first_l = self.first.tolist() if self.first is not self.pred else self.pred_l
+        self.seen_l = self.seen.tolist()
         self.p_last_l = [1.0] * self.step.batch_size
 
     def _first_round(self) -> np.ndarray:
@@ -42,6 +45,12 @@ class SmallSpecServePlan(SpecServePlan):
 
     def predictions(self) -> list[float]:
         return self.pred_l
+
+    def _first_predictions(self) -> list[float]:
+        return self.first_l
+
+    def observed(self) -> list[float]:
+        return self.seen_l
 
     def mean_prediction(self) -> float:
         return sum(self.pred_l) / self.step.batch_size
@@ -98,7 +107,8 @@ class SmallSpecServePlan(SpecServePlan):
 
     def _grow_small(self, j: int, weight: list) -> np.ndarray:
         """plan.py's `_grow` on Python floats: [B] bool, who drafts position j + 1."""
-        p_last, pred = self.p_last_l, self.pred_l
+        p_last = self.p_last_l
+        pred = self.first_l if j == 0 else self.pred_l
         B = len(pred)
         gain = [p_last[i] * pred[i] * weight[i] for i in range(B)]
         cost = self._cost_row(j)
@@ -150,6 +160,9 @@ class SmallSpecServePlan(SpecServePlan):
         for x in p:
             total += x
         self.tokens += total
+        seen = self.seen_l
         for i, d in enumerate(drafted):
-            if d:
-                pred[i] = pred[i] + (acc[i] - pred[i]) * ema
+            if d:  # plan.py's weight max(ema, 1 / (seen + 2)), in its order of operations
+                pred[i] = pred[i] + (acc[i] - pred[i]) * max(ema, 1.0 / (seen[i] + 2.0))
+                if seen[i] < SEEN_CAP:
+                    seen[i] = seen[i] + 1.0
