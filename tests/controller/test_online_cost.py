@@ -408,3 +408,45 @@ def test_a_rough_estimate_is_corrected_past_a_profiles_bound(rough):
                                                                              rel=0.02)
     else:
         assert theta_target == 2.0
+
+
+def test_verified_tokens_learnt_cheap_at_batch_1_keep_the_profiles_price_at_batch_16():
+    """Without a price by batch size (a rough estimate has none), steps at batch 1 where a
+    verified token costs next to nothing (the verify path's fixed cost took the difference)
+    teach a verified-token scale of ~0. SGLang's CPU engine, going from C = 1 to 16 so,
+    priced batch 16's tokens at 1/64 of theirs and verified 24-37 tokens a step for 27
+    steps. A scale that makes tokens cheaper than the profile holds within 2x of the batch
+    sizes it was learnt at; elsewhere the profile's price does, until steps there verify."""
+    b = 2.2e-3
+    cost = dataclasses.replace(COST, target=dataclasses.replace(COST.target, b=b),
+                               verify_fixed=0.005, rough=True)
+    conf = np.full((1, 8), 0.9)
+    rng = np.random.default_rng(3)
+    policy = SpecServePolicy(cost, 8, prior=0.9)
+    for _ in range(200):
+        step = make_step(1, context=int(rng.integers(64, 1024)))
+        drafted, k, plan = _plan(policy, step, conf)
+        timer = StepTimer(cost, step)
+        verify = timer.plain - cost.overhead + (cost.verify_fixed if k.sum() else 0.0)
+        drafting = draft_time(COST.draft, timer.n, timer.lag, drafted)
+        policy.observe(plan, VerifyOutcome(
+            drafted=drafted, verified=k, accepted=np.minimum(k, 2),
+            confidences=conf[:, : max(int(drafted.max()), 1)],
+            step_time=verify + drafting + cost.overhead, draft_time=drafting,
+            verify_time=verify))
+    assert policy.correction is not None
+    assert policy.correction.theta_verify < 0.5  # learnt: cheaper than profiled at batch 1
+    token = {B: StepTimer(policy._current_prices(B).cost, make_step(B)).token_time
+             for B in (1, 2, 16)}
+    assert token[1] < 0.5 * b and token[2] == token[1]  # within 2x: the learnt price
+    assert token[16] == pytest.approx(b)  # further off: the profile's
+    # once steps at batch 16 verify, what they teach holds there
+    for _ in range(30):
+        step = make_step(16, context=512)
+        plan = policy.plan(step)
+        k = np.ones(16, dtype=np.int64)
+        policy.observe(plan, VerifyOutcome(
+            drafted=k, verified=k, accepted=k, confidences=np.full((16, 1), 0.9),
+            step_time=0.1, draft_time=0.02, verify_time=0.07))
+    assert StepTimer(policy._current_prices(16).cost, make_step(16)).token_time \
+        == pytest.approx(b * policy.correction.theta_verify)

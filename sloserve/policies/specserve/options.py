@@ -21,6 +21,9 @@ CALIBRATE_EVERY = 8
 # a request's own draft tokens counted towards its prediction's weights (1 / (n + 1) for
 # the n-th, the running prior counting as one, until below `ema`): a few are enough
 SEEN_CAP = 8.0
+# the weight of each verifying step's batch size in where the verified-token scale was
+# learnt (policy.py, _current_prices): ~10 steps
+VERIFY_BATCH_EMA = 0.1
 SMALL_BATCH = 8
 
 
@@ -29,8 +32,8 @@ class SpecServeOptions:
     """Every option has its measured reason in docs/design.md; the defaults are what runs."""
 
     ema: float = 0.3  # weight of the newest draft token in a request's EMA of g(c)
-    # the first prediction of acceptance for a new request, and the least a request is
-    # planned at until one of its own drafts is seen (policy.py)
+    # the running prior's start (a new request's prediction), and the least a request's
+    # first draft round is planned at until one of its own drafts is seen (policy.py)
     prior: float = 0.6
     # speculation starts only if its predicted E beats plain decoding by this fraction
     start_margin: float = 0.0

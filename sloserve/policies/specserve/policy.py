@@ -25,7 +25,12 @@ from sloserve.estimator.cost_model import CostModel
 from sloserve.estimator.online_cost import PROFILE_MAX_SCALE, ROUGH_MAX_SCALE, StepCostCorrection
 from sloserve.estimator.step_time import draft_time
 from sloserve.policies.request_table import RequestTable
-from sloserve.policies.specserve.options import CALIBRATE_EVERY, PRIOR_EMA, SpecServeOptions
+from sloserve.policies.specserve.options import (
+    CALIBRATE_EVERY,
+    PRIOR_EMA,
+    VERIFY_BATCH_EMA,
+    SpecServeOptions,
+)
 from sloserve.policies.specserve.overrun import OverrunGuard
 from sloserve.policies.specserve.plan import PlanInputs, Prices, SpecServePlan
 from sloserve.policies.specserve.small_plan import SmallSpecServePlan
@@ -63,6 +68,9 @@ class SpecServePolicy(SpecPolicy):
         self.prices = Prices(cost)
         self.guard = OverrunGuard(opts.overrun_window, opts.initial_overrun)
         self._outcomes: list[tuple] = []  # verify outcomes not counted into g yet
+        # log2 of the batch sizes the steps that verified drafts ran at (an EMA, weight
+        # VERIFY_BATCH_EMA): where the correction's verified-token scale was learnt
+        self._verify_batch: float | None = None
         self._shape_arrays: tuple[np.ndarray, np.ndarray] = (np.zeros(0), np.zeros(0))
 
     @property
@@ -79,7 +87,7 @@ class SpecServePolicy(SpecPolicy):
         ones, counts = self._shape_arrays
         if ones.size != B:
             ones, counts = self._shape_arrays = np.ones(B), np.arange(1.0, B + 1.0)
-        inputs = PlanInputs(self._current_prices(), self.g, self.options, self.k_max,
+        inputs = PlanInputs(self._current_prices(B), self.g, self.options, self.k_max,
                             self.guard.scale, self.verifier, ones, counts)
         slots = self.history.slots(step.request_ids, fill=self.prior)
         pred = self.history.values[slots]  # fancy index: a copy the plan owns
@@ -145,6 +153,10 @@ class SpecServePolicy(SpecPolicy):
         # or not): the predictions learn from the accepted counts
         if plan.j_done == 0 and np.count_nonzero(outcome.verified):
             plan.absorb_counts(outcome.verified, outcome.accepted)
+        if np.count_nonzero(outcome.verified):
+            b = float(np.log2(max(step.batch_size, 1)))
+            vb = self._verify_batch
+            self._verify_batch = b if vb is None else vb + VERIFY_BATCH_EMA * (b - vb)
         if outcome.step_time > 0.0:
             predicted, drafting = self._predicted(plan, outcome)
             if self.correction is not None and not step.prefill_tokens:
@@ -174,13 +186,28 @@ class SpecServePolicy(SpecPolicy):
         self.history.release(request_id)
 
     # ----- prices
-    def _current_prices(self) -> Prices:
-        """The profile with the correction's current scales (rebuilt when they moved)."""
+    def _current_prices(self, batch: int | None = None) -> Prices:
+        """The profile with the correction's current scales (rebuilt when they moved), for a
+        step of `batch` requests (None: as learnt, whatever the batch)."""
         corr, prices = self.correction, self.prices
         if corr is None:
             return prices
         overhead = corr.overhead
-        seen = (overhead, corr.verify_fixed, corr.theta_verify)
+        theta_verify = corr.theta_verify
+        # A verified token's price moves with the batch in ways one scale cannot follow
+        # (SGLang's CPU engine: ~free at batch 1, where the verify path's fixed cost took the
+        # whole difference, ~2.4 ms at 16), and the scale learns only from steps that
+        # verify. So a scale that makes verifying cheaper than the profile says holds within
+        # 2x of the batch sizes it was learnt at; further off, the profile's price does,
+        # until steps there verify (without this, a server that ran at batch 1 and then at
+        # 16 priced batch 16's tokens at 1/64 of theirs and verified 24-37 tokens a step for
+        # 27 steps, -12% on that loop, BENCHMARKS.md 2026-12-03)
+        vb = self._verify_batch
+        if (batch is not None and vb is not None and theta_verify < 1.0
+                and corr.verify_fixed_prior > 0.0  # (the one-scale fit ties it to the target's)
+                and abs(float(np.log2(max(batch, 1))) - vb) > 1.0):
+            theta_verify = 1.0
+        seen = (overhead, corr.verify_fixed, theta_verify)
         if (corr.theta_target, corr.theta_draft) != (prices.theta_target, prices.theta_draft) \
                 or seen != self._seen:
             c = self.profile_cost
@@ -188,7 +215,7 @@ class SpecServePolicy(SpecPolicy):
             target, verify_token = c.scaled_target(t)
             cost = CostModel(target, c.draft.scaled(corr.theta_draft),
                              c.overhead * t if overhead is None else overhead,
-                             corr.verify_fixed, c.token_scale * corr.theta_verify / t,
+                             corr.verify_fixed, c.token_scale * theta_verify / t,
                              verify_token)
             self.prices = prices = Prices(cost, t, corr.theta_draft)
             self._seen = seen

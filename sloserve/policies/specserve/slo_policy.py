@@ -40,7 +40,7 @@ class SloSpecServePolicy(SpecServePolicy):
         slo = np.asarray(step.tpot_slo, dtype=np.float64)
         if not np.isfinite(slo).any():
             return slo.copy()
-        plain = StepTimer(self._current_prices().cost, step).plain * self.guard.scale
+        plain = StepTimer(self._current_prices(step.batch_size).cost, step).plain * self.guard.scale
         budget = step_budgets(slo, self.clock.slack(step.request_ids, slo), plain,
                               self.slack_share)
         predicted = self.history.values[self.history.slots(step.request_ids, fill=self.prior)]
