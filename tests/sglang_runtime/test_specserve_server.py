@@ -324,10 +324,15 @@ def test_steps_without_drafting_leave_the_draft_aligned(launched):
                              zip(prompts, [8, 40, 64])))
     assert [o["output_ids"] for o in outs] == [w["output_ids"] for w in want]
     steps = [o["meta_info"]["sloserve_draft_steps"] for o in outs]
-    assert steps[0] and not any(steps[0])  # ended inside the batch of three
-    for st in steps[1:]:  # skipped steps, then drafting again
-        first = st.index(3)
-        assert first > 0 and not any(st[:first]) and all(k == 3 for k in st[first:])
+    # The requests are sent at once, but SGLang may run a decode step or two before the last
+    # one's prefill joins the batch (lut:2=3 drafts 3 there: CI saw [3, 0, 0, 0] once on a
+    # loaded machine). What matters: the first ended inside the batch of three, skipping,
+    # and the others skipped steps and then drafted again to their end.
+    assert steps[0] and steps[0][-1] == 0 and steps[0].count(0) >= 3
+    for st in steps[1:]:
+        assert st.count(0) >= 3
+        last = max(i for i, k in enumerate(st) if k == 0)  # the last skipped step
+        assert last + 1 < len(st) and all(k == 3 for k in st[last + 1:])
     # the shortest request's output was never read by the draft: a continuation of it
     # reuses those KV slots as its cached prefix
     metas = [o["meta_info"] for o in outs]
