@@ -200,7 +200,7 @@ class SpecServePolicy(SpecPolicy):
         # verify. So a scale that makes verifying cheaper than the profile says holds within
         # 2x of the batch sizes it was learnt at; further off, the profile's price does,
         # until steps there verify (without this, a server that ran at batch 1 and then at
-        # 16 priced batch 16's tokens at 1/64 of theirs and verified 24-37 tokens a step for
+        # 16 priced batch 16's tokens at 1/64 of theirs and verified 20-38 tokens a step for
         # 27 steps, -12% on that loop, BENCHMARKS.md 2026-12-03)
         vb = self._verify_batch
         if (batch is not None and vb is not None and theta_verify < 1.0
