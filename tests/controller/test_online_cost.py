@@ -345,6 +345,23 @@ def test_one_fast_verify_step_does_not_price_the_verify_path_at_nothing():
     assert c.theta_target == pytest.approx(1.0, rel=0.02)
 
 
+def _run_at_batch_1(policy, truth, token_seconds, conf, rng, steps=200):
+    """`steps` single-request steps through the policy, measured as `truth` prices a plain
+    forward, plus its verify path and token_seconds a verified token when the step verifies."""
+    for _ in range(steps):
+        step = make_step(1, context=int(rng.integers(64, 1024)))
+        drafted, k, plan = _plan(policy, step, conf)
+        timer = StepTimer(truth, step)
+        verify = timer.plain - truth.overhead + (
+            truth.verify_fixed + token_seconds * float(k.sum()) if k.sum() else 0.0)
+        drafting = draft_time(COST.draft, timer.n, timer.lag, drafted)
+        policy.observe(plan, VerifyOutcome(
+            drafted=drafted, verified=k, accepted=np.minimum(k, 2),
+            confidences=conf[:, : max(int(drafted.max()), 1)],
+            step_time=verify + drafting + truth.overhead, draft_time=drafting,
+            verify_time=verify))
+
+
 def test_verified_tokens_learnt_at_batch_1_are_not_overpriced_at_batch_16():
     """SGLang's CPU engine: a verified token costs ~5 ms at batch 1 and ~1.5 ms at 16
     against one profiled b of 2.2 ms. A policy that speculates at batch 1 first learns one
@@ -361,18 +378,7 @@ def test_verified_tokens_learnt_at_batch_1_are_not_overpriced_at_batch_16():
     policies = {"flat": SpecServePolicy(flat, 8, prior=0.9),
                 "by_batch": SpecServePolicy(by_batch, 8, prior=0.9)}
     for policy in policies.values():
-        for _ in range(200):
-            step = make_step(1, context=int(rng.integers(64, 1024)))
-            drafted, k, plan = _plan(policy, step, conf)
-            timer = StepTimer(by_batch, step)
-            verify = timer.plain - by_batch.overhead + (
-                by_batch.verify_fixed + 5e-3 * float(k.sum()) if k.sum() else 0.0)
-            drafting = draft_time(COST.draft, timer.n, timer.lag, drafted)
-            policy.observe(plan, VerifyOutcome(
-                drafted=drafted, verified=k, accepted=np.minimum(k, 2),
-                confidences=conf[:, : max(int(drafted.max()), 1)],
-                step_time=verify + drafting + by_batch.overhead, draft_time=drafting,
-                verify_time=verify))
+        _run_at_batch_1(policy, by_batch, 5e-3, conf, rng)
         assert policy.correction is not None
     flat_verify = policies["flat"].correction.theta_verify
     assert flat_verify > 0.8 * 5e-3 / b  # (with the verify path's v, fitted alongside)
@@ -423,17 +429,7 @@ def test_verified_tokens_learnt_cheap_at_batch_1_keep_the_profiles_price_at_batc
     conf = np.full((1, 8), 0.9)
     rng = np.random.default_rng(3)
     policy = SpecServePolicy(cost, 8, prior=0.9)
-    for _ in range(200):
-        step = make_step(1, context=int(rng.integers(64, 1024)))
-        drafted, k, plan = _plan(policy, step, conf)
-        timer = StepTimer(cost, step)
-        verify = timer.plain - cost.overhead + (cost.verify_fixed if k.sum() else 0.0)
-        drafting = draft_time(COST.draft, timer.n, timer.lag, drafted)
-        policy.observe(plan, VerifyOutcome(
-            drafted=drafted, verified=k, accepted=np.minimum(k, 2),
-            confidences=conf[:, : max(int(drafted.max()), 1)],
-            step_time=verify + drafting + cost.overhead, draft_time=drafting,
-            verify_time=verify))
+    _run_at_batch_1(policy, cost, 0.0, conf, rng)
     assert policy.correction is not None
     assert policy.correction.theta_verify < 0.5  # learnt: cheaper than profiled at batch 1
     token = {B: StepTimer(policy._current_prices(B).cost, make_step(B)).token_time

@@ -99,7 +99,7 @@ class SpecServePolicy(SpecPolicy):
         # 0.39 while the greedy rows accepted 0.75 and k = 2 decoded 15% faster). Its
         # confidences then correct the running prior, not that floor: started from the
         # floor, a new request of a draft that agrees with nothing drafted ~4 steps before
-        # its estimate fell below a round's price (SGLang, the weak draft at C = 1: 93 such
+        # its estimate fell below a round's price (SGLang, the weak draft at C = 1: 100 such
         # steps in 1,318, each ~35 ms dearer; design sec. 5)
         first = None
         fresh = self.history.fresh[slots]
