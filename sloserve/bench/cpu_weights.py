@@ -10,6 +10,11 @@ alike.
     python -m sloserve.bench.cpu_weights [--rows 1,2,3,4,6,8,12,16,24,32] [--repeats 7]
         [--threads 2] [--out out/bench_cpu_weights.json]
 
+With --bf16 it measures the SPECSERVE draft's bf16 products instead (cpu_weights.Bf16Linear:
+the input cast to bf16, the product cast back), F.linear on the row-major bf16 weight
+against oneDNN's packed copy: 4 layers and the 16,384-row hot head by default (the
+distilled SmolLM2 draft's), under a second on a 2-core CPU.
+
 Prints a table (milliseconds per forward's products, medians over the repeats) and writes JSON.
 """
 
@@ -32,11 +37,21 @@ LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 HEAD = (49_152, 576)
 
 
-def weights(layers: int, seed: int = 0) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
+def weights(layers: int, seed: int = 0, head_rows: int = HEAD[0],
+            dtype: torch.dtype = torch.float32
+            ) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    stack = [[torch.randn(n, k, generator=g) / k ** 0.5 for n, k in LAYER]
+    stack = [[(torch.randn(n, k, generator=g) / k ** 0.5).to(dtype) for n, k in LAYER]
              for _ in range(layers)]
-    return stack, torch.randn(*HEAD, generator=g) / HEAD[1] ** 0.5
+    return stack, (torch.randn(head_rows, HEAD[1], generator=g) / HEAD[1] ** 0.5).to(dtype)
+
+
+def _bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(x.to(torch.bfloat16), w).float()
+
+
+def _bf16_packed(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return packed_linear(x.to(torch.bfloat16), w).float()
 
 
 def products(x: torch.Tensor, stack: list[list[torch.Tensor]], head: torch.Tensor,
@@ -58,7 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sloserve.bench.cpu_weights",
                                 description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--rows", default="1,2,3,4,6,8,12,16,24,32")
-    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--layers", type=int, default=None,
+                   help="default: 30 (the target), 4 with --bf16 (the draft)")
+    p.add_argument("--head-rows", type=int, default=None,
+                   help="default: 49,152 (the whole head), 16,384 with --bf16 (the hot one)")
+    p.add_argument("--bf16", action="store_true",
+                   help="the draft's bf16 products: F.linear against oneDNN's packed copy")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="out/bench_cpu_weights.json")
@@ -69,19 +89,33 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"argument --rows: not a comma-separated list of integers: {args.rows!r}")
     if not rows or min(rows) < 1:
         p.error("argument --rows: every row count must be >= 1")
-    if args.repeats < 1 or args.layers < 1 or args.threads < 1:
-        p.error("arguments --repeats, --layers and --threads must be >= 1")
+    if args.layers is None:
+        args.layers = 4 if args.bf16 else 30
+    if args.head_rows is None:
+        args.head_rows = 16_384 if args.bf16 else HEAD[0]
+    if args.repeats < 1 or args.layers < 1 or args.threads < 1 or args.head_rows < 1:
+        p.error("arguments --repeats, --layers, --head-rows and --threads must be >= 1")
+    if args.bf16 and not packed_linear_available():
+        p.error("argument --bf16: this torch has no oneDNN packed linear to compare with")
     torch.set_num_threads(args.threads)
-    print(f"float32 linear products of {args.layers} SmolLM2-shaped layers and the head, "
-          f"row-major against column-major and oneDNN-packed weights, {len(rows)} row counts x "
-          f"{args.repeats} repeats; 2-4 minutes on a 2-core CPU", flush=True)
-    stack, head = weights(args.layers)
-    layouts: dict[str, tuple[list[list[torch.Tensor]], torch.Tensor, Callable | None]] = {
-        "row": (stack, head, None),
-        "column": ([[column_major(w) for w in ws] for ws in stack], column_major(head), None)}
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    print(f"{dtype} linear products of {args.layers} SmolLM2-shaped layers and a "
+          f"{args.head_rows}-row head, "
+          + ("F.linear against oneDNN-packed bf16 weights" if args.bf16 else
+             "row-major against column-major and oneDNN-packed weights")
+          + f", {len(rows)} row counts x {args.repeats} repeats; "
+          + ("seconds" if args.bf16 else "2-4 minutes") + " on a 2-core CPU", flush=True)
+    stack, head = weights(args.layers, head_rows=args.head_rows, dtype=dtype)
+    layouts: dict[str, tuple[list[list[torch.Tensor]], torch.Tensor, Callable | None]]
+    if args.bf16:
+        layouts = {"row": (stack, head, _bf16_linear)}
+    else:
+        layouts = {"row": (stack, head, None),
+                   "column": ([[column_major(w) for w in ws] for ws in stack],
+                              column_major(head), None)}
     if packed_linear_available():
         layouts["packed"] = ([[pack_weight(w) for w in ws] for ws in stack], pack_weight(head),
-                             packed_linear)
+                             _bf16_packed if args.bf16 else packed_linear)
     table, results = [], []
     for m in rows:
         x = torch.randn(m, HEAD[1], generator=torch.Generator().manual_seed(m))

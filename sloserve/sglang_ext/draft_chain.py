@@ -42,8 +42,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from sloserve.runtime.models.cpu_linear import packed_linear_available
 from sloserve.sglang_ext.chain_sampling import draft_pick
-from sloserve.sglang_ext.cpu_weights import PackedF32Method, column_major, is_column_major
+from sloserve.sglang_ext.cpu_weights import (
+    Bf16Linear,
+    PackedF32Method,
+    column_major,
+    is_column_major,
+)
 from sloserve.sglang_ext.draft_kv import DraftKVBook
 from sloserve.sglang_ext.ngram_chain import NgramChains
 from sloserve.sglang_ext.sglang_internals import (
@@ -173,9 +179,8 @@ class AlignedDraft:
         target's distribution (q is the cut head's, zero off the hot set). Its input
         embedding stays whole. False (nothing changed) for a head SGLang packed for AMX
         kernels, whose rows are not the weight's rows. dtype: the cut head's (bf16 with the
-        draft's bf16 linears, cpu_weights.bf16_draft_linears: SGLang's logits processor
-        multiplies in the head's dtype, so its logits come out bf16 and `logits32` casts
-        them back)."""
+        draft's bf16 linears, cpu_weights.bf16_draft_linears: the cut head multiplies
+        through the same Bf16Linear and answers float32)."""
         model = self.dw.draft_runner.model
         head = model.lm_head
         if getattr(head, "use_intel_amx_backend", False) or not hasattr(head, "weight"):
@@ -195,7 +200,7 @@ class AlignedDraft:
             rows = rows.to(dtype)
         elif is_column_major(weight):  # the whole head's memory order
             rows = column_major(rows)
-        model.lm_head = _RowsHead(rows, packed=packed and rows.dtype == torch.float32)
+        model.lm_head = _RowsHead(rows, packed=packed)
         self.hot = hot
         return True
 
@@ -491,13 +496,20 @@ def logits32(logits: torch.Tensor) -> torch.Tensor:
 
 class _RowsHead(torch.nn.Module):
     """A draft LM head cut to some rows of the whole one: SGLang's logits processor reads
-    its `weight` [N, H] as a plain linear layer's, or multiplies through its quant method
-    with a copy packed for oneDNN (packed: as the whole head was, cpu_weights.py)."""
+    its `weight` [N, H] as a plain linear layer's, or multiplies through its quant method:
+    float32 rows with a copy packed for oneDNN (packed: as the whole head was,
+    cpu_weights.py), bf16 rows as the draft's bf16 linears (Bf16Linear, packed where torch
+    has oneDNN's packed linear), answering float32."""
 
     def __init__(self, weight: torch.Tensor, packed: bool = False) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(weight, requires_grad=False)
-        self.quant_method = PackedF32Method(None, weight) if packed else None
+        self.quant_method: PackedF32Method | Bf16Linear | None = None
+        if weight.dtype == torch.bfloat16:
+            self.quant_method = Bf16Linear(
+                None, weight if packed_linear_available() else None)
+        elif packed:
+            self.quant_method = PackedF32Method(None, weight)
 
 
 def _rows(batch: Any) -> list[int]:

@@ -144,6 +144,16 @@ def test_the_layout_benchmark_runs_both_layouts_on_the_same_products(tmp_path):
     assert all(set(r["ms"]) == names and min(r["ms"].values()) > 0 for r in results)
     with pytest.raises(SystemExit):
         main(["--rows", "0"])
+    if packed:  # the draft's bf16 products: F.linear and the packed copy alike
+        bf16, bhead = weights(1, head_rows=64, dtype=torch.bfloat16)
+        from sloserve.bench.cpu_weights import _bf16_linear, _bf16_packed
+        torch.testing.assert_close(
+            products(x, [[pack_weight(w) for w in ws] for ws in bf16], pack_weight(bhead),
+                     _bf16_packed),
+            products(x, bf16, bhead, _bf16_linear), rtol=0.02, atol=0.02)
+        assert main(["--bf16", "--rows", "2", "--layers", "1", "--head-rows", "64",
+                     "--repeats", "1", "--out", str(out)]) == 0
+        assert set(json.loads(out.read_text())["results"][0]["ms"]) == {"row", "packed"}
 
 
 def test_the_draft_dtype_switch_and_its_profile_key(monkeypatch):
@@ -209,10 +219,18 @@ def test_bf16_draft_linears_multiply_in_bf16_and_answer_in_float32():
     assert model.qkv.bias.dtype == torch.bfloat16
     assert isinstance(model.qkv.quant_method, Bf16Linear)
     assert model.o.weight.dtype == torch.float32 and model.embed.weight.dtype == torch.float32
+    # oneDNN's prepacked copy of the bf16 weight where torch has the packed linear
+    assert (model.qkv.quant_method.packed is not None) == packed_linear_available()
     after = model.qkv(x)
     assert after.dtype == torch.float32
     expected = F.linear(x.bfloat16(), model.qkv.weight, model.qkv.bias).float()
-    assert torch.equal(after, expected)
+    # the packed product sums in oneDNN's order: bf16 roundings apart from F.linear's at most
+    torch.testing.assert_close(after, expected, rtol=0.02, atol=0.02)
+    unpacked = Bf16Linear(model.qkv.quant_method.inner)  # no packed copy: F.linear itself
+    assert torch.equal(unpacked.apply(model.qkv, x, model.qkv.bias), expected)
+    lead = torch.randn(2, 3, 8)  # leading dimensions kept
+    assert model.qkv(lead).shape == (2, 3, 24)
+    torch.testing.assert_close(model.qkv(lead)[1], model.qkv(lead[1]))
     # bf16 inputs and weights: about 3 significant digits, not the float32 result itself
     torch.testing.assert_close(after, before, rtol=0.05, atol=0.1)
     assert not torch.equal(after, before)
