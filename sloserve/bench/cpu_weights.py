@@ -95,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         args.head_rows = 16_384 if args.bf16 else HEAD[0]
     if args.repeats < 1 or args.layers < 1 or args.threads < 1 or args.head_rows < 1:
         p.error("arguments --repeats, --layers, --head-rows and --threads must be >= 1")
-    if args.bf16 and not packed_linear_available():
-        p.error("argument --bf16: this torch has no oneDNN packed linear to compare with")
+    if args.bf16 and not packed_linear_available(torch.bfloat16):
+        p.error("argument --bf16: this torch on this CPU has no oneDNN packed bf16 linear to "
+                "compare with (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)")
     torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     print(f"{dtype} linear products of {args.layers} SmolLM2-shaped layers and a "
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         layouts = {"row": (stack, head, None),
                    "column": ([[column_major(w) for w in ws] for ws in stack],
                               column_major(head), None)}
-    if packed_linear_available():
+    if packed_linear_available(dtype):
         layouts["packed"] = ([[pack_weight(w) for w in ws] for ws in stack], pack_weight(head),
                              _bf16_packed if args.bf16 else packed_linear)
     table, results = [], []

@@ -238,6 +238,14 @@ class Bf16Linear:
         return getattr(self.inner, name)
 
 
+def bf16_method(inner: Any, weight: torch.Tensor) -> Bf16Linear:
+    """The Bf16Linear method for a bf16 weight [N, K]: with a packed copy where torch has
+    oneDNN's packed bf16 linear (not on an AVX2-only CPU), else F.linear on the row-major
+    weight. The one place that decides whether a draft's bf16 product is packed (its
+    linears and its hot head)."""
+    return Bf16Linear(inner, weight if packed_linear_available(torch.bfloat16) else None)
+
+
 def bf16_draft_linears(model: Any) -> int:
     """Give the float32 CPU linear layers of a draft model (its attention and MLP matrices,
     not the LM head: tied to the input embedding, whose lookups must stay float32) bf16
@@ -245,7 +253,6 @@ def bf16_draft_linears(model: Any) -> int:
     other dtypes or devices, and ones SGLang packed for its AMX kernels, are left alone."""
     if not isinstance(model, torch.nn.Module):
         return 0
-    packable = packed_linear_available()
     changed = 0
     for module in model.modules():
         method = getattr(module, "quant_method", None)
@@ -264,6 +271,6 @@ def bf16_draft_linears(model: Any) -> int:
         if isinstance(bias, torch.nn.Parameter) and bias.dtype == torch.float32:
             bias.data = bias.data.to(torch.bfloat16)
         setattr(module, "quant_method",  # noqa: B010  # not a Module
-                Bf16Linear(method, weight.data if packable else None))
+                bf16_method(method, weight.data))
         changed += 1
     return changed

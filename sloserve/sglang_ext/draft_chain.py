@@ -42,11 +42,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from sloserve.runtime.models.cpu_linear import packed_linear_available
 from sloserve.sglang_ext.chain_sampling import draft_pick
 from sloserve.sglang_ext.cpu_weights import (
     Bf16Linear,
     PackedF32Method,
+    bf16_method,
     column_major,
     is_column_major,
 )
@@ -506,8 +506,7 @@ class _RowsHead(torch.nn.Module):
         self.weight = torch.nn.Parameter(weight, requires_grad=False)
         self.quant_method: PackedF32Method | Bf16Linear | None = None
         if weight.dtype == torch.bfloat16:
-            self.quant_method = Bf16Linear(
-                None, weight if packed_linear_available() else None)
+            self.quant_method = bf16_method(None, weight)
         elif packed:
             self.quant_method = PackedF32Method(None, weight)
 

@@ -144,7 +144,10 @@ def test_the_layout_benchmark_runs_both_layouts_on_the_same_products(tmp_path):
     assert all(set(r["ms"]) == names and min(r["ms"].values()) > 0 for r in results)
     with pytest.raises(SystemExit):
         main(["--rows", "0"])
-    if packed:  # the draft's bf16 products: F.linear and the packed copy alike
+    if not packed_linear_available(torch.bfloat16):  # an AVX2-only CPU: said, not crashed
+        with pytest.raises(SystemExit):
+            main(["--bf16", "--rows", "2"])
+    else:  # the draft's bf16 products: F.linear and the packed copy alike
         bf16, bhead = weights(1, head_rows=64, dtype=torch.bfloat16)
         from sloserve.bench.cpu_weights import _bf16_linear, _bf16_packed
         torch.testing.assert_close(
@@ -220,7 +223,8 @@ def test_bf16_draft_linears_multiply_in_bf16_and_answer_in_float32():
     assert isinstance(model.qkv.quant_method, Bf16Linear)
     assert model.o.weight.dtype == torch.float32 and model.embed.weight.dtype == torch.float32
     # oneDNN's prepacked copy of the bf16 weight where torch has the packed linear
-    assert (model.qkv.quant_method.packed is not None) == packed_linear_available()
+    assert ((model.qkv.quant_method.packed is not None)
+            == packed_linear_available(torch.bfloat16))
     after = model.qkv(x)
     assert after.dtype == torch.float32
     expected = F.linear(x.bfloat16(), model.qkv.weight, model.qkv.bias).float()

@@ -8,6 +8,8 @@ differs (rounding-level).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -25,10 +27,15 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor,
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def packed_linear_available() -> bool:
+@functools.cache
+def packed_linear_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch on this CPU packs and multiplies `dtype` weights with oneDNN's packed
+    linear, found by trying it once. float32 packs wherever oneDNN is built in; bf16 also needs
+    the CPU's AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT, so an AVX2-only CPU answers False for it."""
     try:
-        w = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8), 1)
-        torch.ops.mkldnn._linear_pointwise(torch.zeros(2, 8), w, None, "none", [], "")
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), 1)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(2, 8, dtype=dtype), w, None, "none", [],
+                                           "")
         return torch.backends.mkldnn.is_available()
     except (RuntimeError, AttributeError):
         return False
