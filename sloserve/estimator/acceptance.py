@@ -93,6 +93,17 @@ class ConfidenceCalibrator:
         return self.counts[0] + self.counts[1]
 
     @property
+    def online(self) -> bool:
+        """Whether any verify outcome with confidences was counted (seeding is not)."""
+        return self._updates > 0
+
+    @property
+    def top(self) -> float:
+        """The map's highest value, g(1): the most any draft token is predicted to be
+        accepted (g is non-decreasing)."""
+        return float(self.table[-1])
+
+    @property
     def table(self) -> np.ndarray:
         """[n_bins] the current map at the bin centres (refitted lazily)."""
         if self._dirty:

@@ -113,3 +113,17 @@ def test_moving_average_recovers_per_token_acceptance():
         accepted = np.argmin(np.concatenate([ok, np.zeros((16, 1), bool)], 1), axis=1)
         ma.update(verified, accepted)
     assert ma.value == pytest.approx(a, abs=0.02)
+
+
+def test_the_maps_top_and_whether_it_learnt_online():
+    """top is g(1), the most any draft token is predicted at; online says whether verify
+    outcomes were counted (a profile's seeded counts are not: SpecServePolicy caps a new
+    request's first round at top only then)."""
+    g = ConfidenceCalibrator()
+    assert not g.online and g.top == pytest.approx(g.centers[-1])
+    g.seed(np.full((2, 16), 20.0))
+    assert not g.online
+    for _ in range(16):  # the first draft, at 0.99, rejected: one sample a step
+        g.update(np.full((1, 8), 0.99), np.array([8]), np.array([0]))
+    assert g.online
+    assert g.top == pytest.approx(float(g(np.array([1.0]))[0])) and g.top < 0.5

@@ -222,6 +222,33 @@ def test_specserve_measures_new_requests_after_the_prior_fell():
     assert not policy.history.fresh[policy.history.slots(newcomers.request_ids, 0.0)].any()
 
 
+@pytest.mark.parametrize("batch", [1, 12])  # the Python-float plan and the numpy one
+def test_specserve_stops_measuring_newcomers_once_its_most_confident_drafts_fail(batch):
+    """A draft confident of tokens the target rejects (the weak draft inside SGLang: 0.99
+    confidences, 0.1 accepted) first teaches the calibration map so; then new requests are
+    no longer measured at the configured prior (nor at a running prior that still lags
+    above the map): no confidence can correct their estimate above the map's top, so that
+    round (with its prompt's catch-up) never pays. Before, every newcomer drafted once (52
+    rounds in 52 requests at C = 1, 1.25% of the run)."""
+    rng = np.random.default_rng(7)
+    work = SyntheticWorkload(rng, truth=lambda c: np.full_like(c, 0.03), concentration=30.0)
+    policy = SpecServePolicy(COST, 8)
+    mean = np.full(batch, 0.95)
+    steps_drafting = []
+    for wave in range(12):
+        step = make_step(batch, ids=[f"w{wave}-{i}" for i in range(batch)])
+        n = 0
+        for _ in range(8):
+            n += bool(drive_step(policy, step, work, mean).drafted.any())
+        for rid in step.request_ids:
+            policy.release(rid)
+        steps_drafting.append(n)
+    assert sum(steps_drafting[:4]) > 0  # it drafted while the map learnt
+    assert policy.calibrator.top < policy.options.prior
+    assert sum(steps_drafting[-4:]) == 0  # later newcomers are not measured
+    assert policy.prior > policy.calibrator.top  # (the running prior, a mean, lags)
+
+
 def test_specserve_verifier_trims_but_drafter_only_does_not():
     step = make_step(16)
     conf = np.tile([0.9, 0.8, 0.3, 0.1], (16, 1))

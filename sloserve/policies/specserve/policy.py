@@ -100,12 +100,20 @@ class SpecServePolicy(SpecPolicy):
         # confidences then correct the running prior, not that floor: started from the
         # floor, a new request of a draft that agrees with nothing drafted ~4 steps before
         # its estimate fell below a round's price (SGLang, the weak draft at C = 1: 100 such
-        # steps in 1,318, each ~35 ms dearer; design sec. 5)
+        # steps in 1,318, each ~35 ms dearer; design sec. 5). That first round is planned
+        # no higher than the calibration map's top, g(1), the floor and the running prior
+        # alike: no confidence can correct the estimate above it, so a round planned higher
+        # only measures a request that cannot draft on. A draft whose most confident tokens
+        # the target rejects (the weak draft, its map's top at 0.18) had every new request
+        # draft once, with its prompt's catch-up: 1.25% of the run at C = 1 (2026-12-04,
+        # BENCHMARKS.md). Only a map that learns online caps it (steps whose confidences
+        # are never told, uniform ones, would otherwise never measure anyone again)
         first = None
         fresh = self.history.fresh[slots]
         if fresh.any():
             first = pred.copy()
-            np.maximum(first, self.options.prior, out=first, where=fresh)
+            top = self.g.top if self.g.online else 1.0
+            np.clip(first, min(self.options.prior, top), top, out=first, where=fresh)
         seen = self.history.seen[slots]
         credit = self._lag_credit(step, slots, inputs.prices.cost)
         if B <= self.options.small_batch:
