@@ -104,7 +104,7 @@ class SpecServePolicy(SpecPolicy):
         # no higher than the calibration map's top, g(1), the floor and the running prior
         # alike: no confidence can correct the estimate above it, so a round planned higher
         # only measures a request that cannot draft on. A draft whose most confident tokens
-        # the target rejects (the weak draft, its map's top at 0.18) had every new request
+        # the target rejects (the weak draft, its map's top at 0.17) had every new request
         # draft once, with its prompt's catch-up: 1.25% of the run at C = 1 (2026-12-04,
         # BENCHMARKS.md). Only a map that learns online caps it (steps whose confidences
         # are never told, uniform ones, would otherwise never measure anyone again)
