@@ -98,6 +98,13 @@ class ConfidenceCalibrator:
         return self._updates > 0
 
     @property
+    def pooled(self) -> float | None:
+        """The accepted share of every sample counted (seeded ones included), None before
+        any: the pair's mean conditional acceptance, whatever the confidence."""
+        total = float(self.counts.sum())
+        return float(self.hits.sum()) / total if total > 0.0 else None
+
+    @property
     def top(self) -> float:
         """The map's highest value, g(1): the most any draft token is predicted to be
         accepted (g is non-decreasing)."""

@@ -223,6 +223,39 @@ def test_specserve_measures_new_requests_after_the_prior_fell():
 
 
 @pytest.mark.parametrize("batch", [1, 12])  # the Python-float plan and the numpy one
+def test_specserve_paused_requests_draft_again_once_their_estimate_aged(batch):
+    """A request that met a stretch of text its draft does not know (low confidences) stops
+    drafting. Its prediction then ages towards the pair's pooled acceptance, one share a
+    paused step (pause_relax), so once the text turns easy again it drafts again, and learns
+    so. Frozen at the low tail it paused on (pause_relax 0), it never drafted again (SGLang,
+    the distilled draft at C = 1: 74% of steps drafted nothing)."""
+    centers = (np.arange(16) + 0.5) / 16
+    total = 400.0 * centers / centers.sum()  # more samples at high confidence, as drafted
+    seeded = np.stack([total * (1.0 - centers), total * centers])  # a calibrated draft
+    resumed = {}
+    for relax in (0.05, 0.0):
+        rng = np.random.default_rng(11)
+        work = SyntheticWorkload(rng, concentration=30.0)
+        policy = SpecServePolicy(COST, 8, pause_relax=relax)
+        policy.seed_calibration(seeded)
+        assert policy.g.pooled == pytest.approx(float((centers ** 2).sum() / centers.sum()))
+        step = make_step(batch)
+        for _ in range(6):  # easy text: it drafts
+            assert drive_step(policy, step, work, np.full(batch, 0.9)).drafted.all()
+        hard = 0
+        while drive_step(policy, step, work, np.full(batch, 0.05)).drafted.any():
+            hard += 1
+            assert hard < 10, "hard text should stop the drafting"
+        # easy text again: how many steps until every request drafts again
+        for i in range(40):
+            if drive_step(policy, step, work, np.full(batch, 0.9)).drafted.all():
+                resumed[relax] = i
+                break
+    assert resumed.get(0.05, 99) < 30
+    assert 0.0 not in resumed  # frozen, it stayed paused
+
+
+@pytest.mark.parametrize("batch", [1, 12])  # the Python-float plan and the numpy one
 def test_specserve_stops_measuring_newcomers_once_its_most_confident_drafts_fail(batch):
     """A draft confident of tokens the target rejects (the weak draft inside SGLang: 0.99
     confidences, 0.1 accepted) first teaches the calibration map so; then new requests are

@@ -25,6 +25,9 @@ SEEN_CAP = 8.0
 # learnt (policy.py, _current_prices): ~10 steps
 VERIFY_BATCH_EMA = 0.1
 SMALL_BATCH = 8
+# the calibration samples (seeded ones included) the pooled acceptance needs before paused
+# requests' predictions move towards it (pause_relax)
+RELAX_SAMPLES = 32.0
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,13 @@ class SpecServeOptions:
     # each time (SGLang's CPU engine at C = 16: 2% of steps, each 190 ms over a decode
     # step, BENCHMARKS.md 2026-12-03)
     lag_credit: bool = True
+    # each step a request measured before does not draft, its prediction moves this share
+    # of the way to the pair's pooled acceptance (the calibration map's accepted / counted
+    # samples): what it was last measured at ages. 0: it keeps the prediction it paused
+    # at, and a pause on a chain's low-confidence tail lasted the request's life (SGLang,
+    # the distilled draft at C = 1: 74% of steps drafted nothing where a draft token was
+    # accepted at 0.54 on average; BENCHMARKS.md 2026-12-04)
+    pause_relax: float = 0.05
     correct_cost: bool = True  # correct the profile online from measured step times
     score_prefill: bool = False  # True: the paper's E over the whole step, prefill included
     small_batch: int = SMALL_BATCH  # at most this many requests: plans on Python floats
@@ -70,6 +80,8 @@ class SpecServeOptions:
             raise ValueError(f"ema must be in (0, 1], got {self.ema}")
         if not 0.0 <= self.prior <= 1.0:
             raise ValueError(f"prior must be in [0, 1], got {self.prior}")
+        if not 0.0 <= self.pause_relax <= 1.0:
+            raise ValueError(f"pause_relax must be in [0, 1], got {self.pause_relax}")
         if self.overrun_window < 1 or self.initial_overrun < 1.0:
             raise ValueError("overrun_window must be >= 1 and initial_overrun >= 1")
 

@@ -28,6 +28,7 @@ from sloserve.policies.request_table import RequestTable
 from sloserve.policies.specserve.options import (
     CALIBRATE_EVERY,
     PRIOR_EMA,
+    RELAX_SAMPLES,
     VERIFY_BATCH_EMA,
     SpecServeOptions,
 )
@@ -181,7 +182,9 @@ class SpecServePolicy(SpecPolicy):
             self.history.values[slots] = plan.predictions()
             self.history.seen[slots] = plan.observed()
             fresh = self.history.fresh
-            fresh[slots] &= outcome.drafted == 0
+            paused = outcome.drafted == 0  # [B]
+            fresh[slots] &= paused
+            self._relax_paused(slots, paused & ~fresh[slots])
             # the prior follows the mean prediction over the live requests measured so far
             seen = ~fresh[slots]
             if seen.all():
@@ -189,6 +192,22 @@ class SpecServePolicy(SpecPolicy):
             elif seen.any():
                 mean = float(np.asarray(plan.predictions())[seen].mean())
                 self.prior += PRIOR_EMA * (mean - self.prior)
+
+    def _relax_paused(self, slots: np.ndarray, paused: np.ndarray) -> None:
+        """Move the predictions of the requests measured before that did not draft this step
+        ([B] paused) pause_relax of the way to the pair's pooled acceptance (sec. 5): a
+        prediction is a request's recent acceptance, and the longer it goes unmeasured the
+        less it says about the next token. Chains stop after a low-confidence token, whose
+        g(c) is what the prediction absorbed last, so a request that paused kept a
+        prediction below its next token's acceptance and never drafted again."""
+        rate = self.options.pause_relax
+        if not rate or not paused.any():
+            return
+        anchor = self.g.pooled
+        if anchor is None or float(self.g.counts.sum()) < RELAX_SAMPLES:
+            return  # a few samples say little about the pair (one is 0 or 1)
+        values, idx = self.history.values, slots[paused]
+        values[idx] += rate * (anchor - values[idx])
 
     def release(self, request_id: str) -> None:
         self.history.release(request_id)
