@@ -73,6 +73,7 @@ class SGLangStep:
     catch_up_time: float = 0.0
     verify_time: float = 0.0  # ... of the target's verify forward
     chain_conf: np.ndarray | None = None  # [B, k] a uniform chain's confidences (profiling)
+    first_pred: list[float] | None = None  # [B] the first round's predictions (step log)
 
     @property
     def per_request(self) -> bool:
@@ -155,6 +156,9 @@ class StepController:
         out = SGLangStep(session, prepared, int(step.context_lens.sum()), time.perf_counter(),
                          index=self._steps_begun)
         self._steps_begun += 1
+        first = getattr(session.plan, "_first_predictions", None)  # SpecServe plans
+        if self.step_log_path and first is not None:
+            out.first_pred = np.round(np.asarray(first(), dtype=np.float64), 4).tolist()
         return out
 
     def after_round(self, step: SGLangStep, confidences: Sequence[float] | np.ndarray) -> bool:
@@ -275,6 +279,16 @@ class StepController:
                "chain": _jsonable(P[:s.rounds].T) if P is not None else None,
                "g": g.table.tolist() if g is not None else None,
                "g_counts": g.counts.tolist() if g is not None else None}
+        # what the first round was planned from (SpecServe): each request's prediction,
+        # its draft lag (positions its catch-up reads) and the catch-up tokens its credit
+        # pays for
+        if step.first_pred is not None:
+            rec["first"] = step.first_pred
+        lag, credit = s.step.draft_lag, getattr(s.plan, "lag_credit", None)
+        if lag is not None:
+            rec["lag"] = np.asarray(lag).tolist()
+        if credit is not None:
+            rec["credit"] = np.round(np.asarray(credit, dtype=np.float64), 2).tolist()
         assert self.step_log_path is not None
         with open(self.step_log_path, "a") as f:
             f.write(json.dumps(rec) + "\n")
