@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -16,19 +17,51 @@ from sloserve.estimator.profile_file import Profile, find_profile, model_key, re
 log = logging.getLogger(__name__)
 
 
-def device_key(device: str) -> str:
-    """'cpu-<cpu model>-<threads>t' or 'cuda-<gpu name>': profiles only transfer within one."""
-    if device.startswith("cuda"):
-        return f"cuda-{torch.cuda.get_device_name(0)}"
-    model = "cpu"
+@functools.lru_cache(maxsize=8)
+def cpuinfo_field(name: str) -> str:
+    """The first /proc/cpuinfo line's value for `name` ("model name", "flags", "vendor_id";
+    empty where there is none). Read at run time: the machines this project runs on change
+    from day to day, between CPU models and between instruction sets of one model."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(name):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return f"cpu-{model}-{torch.get_num_threads()}t"
+    return ""
+
+
+def cpu_isa_tier() -> str:
+    """The widest matrix instructions this CPU has, as a profile key tells machines apart:
+    "amx" (AMX tiles), "avx512" (AVX-512 F), "avx2", or "" (none of them, or no
+    /proc/cpuinfo). One model name covers several: the same "AMD EPYC" has come with and
+    without AVX-512, and its float32 forwards differ by ~2x between them."""
+    flags = set(cpuinfo_field("flags").split())
+    for tier, flag in (("amx", "amx_tile"), ("avx512", "avx512f"), ("avx2", "avx2")):
+        if flag in flags:
+            return tier
+    return ""
+
+
+def device_key(device: str, isa: bool = True) -> str:
+    """'cpu-<cpu model>-<isa tier>-<threads>t' or 'cuda-<gpu name>': profiles only transfer
+    within one. isa=False: the key without the tier, as profiles were keyed before
+    2026-12-04 (`device_keys` still finds those)."""
+    if device.startswith("cuda"):
+        return f"cuda-{torch.cuda.get_device_name(0)}"
+    model = cpuinfo_field("model name") or "cpu"
+    tier = cpu_isa_tier() if isa else ""
+    return f"cpu-{model}-{tier + '-' if tier else ''}{torch.get_num_threads()}t"
+
+
+def device_keys(device: str) -> list[str]:
+    """The keys a profile of this device is looked up by, best first: this instruction set's,
+    then the untiered key of profiles measured before keys had one (measured on some
+    instruction set of this CPU model; the online correction fits its scales)."""
+    keys = [device_key(device)]
+    legacy = device_key(device, isa=False)
+    return keys if legacy in keys else keys + [legacy]
 
 
 def fingerprint(model_dir: str) -> str:
@@ -61,11 +94,21 @@ def profile_keys(cfg, target_path: str, draft_path: str | None) -> tuple[str, st
 
 
 def find_matching(cfg, target_path: str, draft_path: str | None):
-    keys = profile_keys(cfg, target_path, draft_path)
-    for d in default_dirs():
-        path = find_profile(d, *keys)
-        if path is not None:
-            return path
+    tk, dk, _, dtype = profile_keys(cfg, target_path, draft_path)
+    return find_first(tk, dk, device_keys(cfg.device), dtype)
+
+
+def find_first(target_key: str, draft_key: str, devices: list[str], dtype: str) -> Path | None:
+    """The first profile found for the pair over device keys (best first) and directories."""
+    for device in devices:
+        for d in default_dirs():
+            path = find_profile(d, target_key, draft_key, device, dtype)
+            if path is not None:
+                if device != devices[0]:
+                    log.info("cost profile keyed without an instruction set (%s), not %s: "
+                             "measured on this CPU model before keys had one", device,
+                             devices[0])
+                return path
     return None
 
 

@@ -30,6 +30,8 @@ import sys
 
 import torch
 
+from sloserve.estimator.profile_lookup import cpuinfo_field
+
 log = logging.getLogger(__name__)
 
 _OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: omp_pause_soft
@@ -77,32 +79,16 @@ def release_openmp_workers() -> bool:
     return fn(_OMP_PAUSE_SOFT) == 0
 
 
-@functools.lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as the kernel reports them (/proc/cpuinfo; empty elsewhere).
     Read at run time: the machines this project runs on change from day to day."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    return frozenset(cpuinfo_field("flags").split())
 
 
-@functools.lru_cache(maxsize=1)
 def cpu_vendor() -> str:
     """The CPU's vendor id as the kernel reports it ("GenuineIntel", "AuthenticAMD", ...;
     empty where /proc/cpuinfo has none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return cpuinfo_field("vendor_id")
 
 
 def cpu_has_bf16_matmul() -> bool:

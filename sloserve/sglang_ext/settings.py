@@ -21,8 +21,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from sloserve.estimator.cost_model import CostModel, rough_cost
-from sloserve.estimator.profile_file import Profile, find_profile, model_key, read_profile
-from sloserve.estimator.profile_lookup import default_dirs, device_key, fingerprint
+from sloserve.estimator.profile_file import Profile, model_key, read_profile
+from sloserve.estimator.profile_lookup import device_key, find_first, fingerprint
 from sloserve.policies.registry import make_policy
 from sloserve.sglang_ext.controller import StepController
 from sloserve.sglang_ext.cpu_weights import draft_dtype_from_env, layout_from_env
@@ -118,14 +118,15 @@ def worker_config() -> WorkerConfig:
     return WorkerConfig.from_json(raw) if raw else WorkerConfig()
 
 
-def sglang_device_key(device: str, draft_model: bool = True) -> str:
+def sglang_device_key(device: str, draft_model: bool = True, isa: bool = True) -> str:
     """The device part of an SGLang profile's key. On a CPU the plugin stores float32 linear
     weights column-major or prepacked for oneDNN (cpu_weights.py), which changes every
     forward's cost: "-wcol" or "-wpak" then; a profile measured with SGLang's row-major
     weights keeps the plain key.
     A draft model whose matmuls run in bf16 there (draft_model: the pair has one;
-    SLOSERVE_CPU_DRAFT_DTYPE, cpu_weights.py) drafts at another price: "-dbf16" after it."""
-    key = f"sglang-{device_key(device)}"
+    SLOSERVE_CPU_DRAFT_DTYPE, cpu_weights.py) drafts at another price: "-dbf16" after it.
+    isa=False: without the CPU's instruction set tier (profile_lookup.device_key)."""
+    key = f"sglang-{device_key(device, isa)}"
     if device.startswith("cpu"):
         key += {"column": "-wcol", "packed": "-wpak"}.get(layout_from_env(), "")
         if draft_model and draft_dtype_from_env() == "bfloat16":
@@ -139,15 +140,16 @@ def find_sglang_profile(target_path: str, draft_path: str | None, device: str,
     key "ngram", as the built-in engine's)."""
     if explicit:
         return read_profile(explicit)
-    keys = (model_key(target_path, fingerprint(target_path)),
-            model_key(draft_path, fingerprint(draft_path)) if draft_path else "ngram",
-            sglang_device_key(device, draft_path is not None), dtype)
-    for d in default_dirs():
-        path = find_profile(d, *keys)
-        if path is not None:
-            log.info("SPECSERVE cost profile: %s", path)
-            return read_profile(path)
-    return None
+    draft = draft_path is not None
+    devices = [sglang_device_key(device, draft)]
+    legacy = sglang_device_key(device, draft, isa=False)  # profiles keyed before 12-04
+    path = find_first(model_key(target_path, fingerprint(target_path)),
+                      model_key(draft_path, fingerprint(draft_path)) if draft_path else "ngram",
+                      devices + ([legacy] if legacy not in devices else []), dtype)
+    if path is None:
+        return None
+    log.info("SPECSERVE cost profile: %s", path)
+    return read_profile(path)
 
 
 def load_cost(target_path: str, draft_path: str, device: str, dtype: str,

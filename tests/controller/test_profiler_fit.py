@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
+from sloserve.estimator import profile_lookup
 from sloserve.estimator.cost_model import ForwardCost
 from sloserve.estimator.profile_file import (
     ModelProfile,
@@ -116,6 +120,60 @@ def test_profile_round_trip_and_lookup(tmp_path):
     assert find_profile(tmp_path, key, "tiny-draft-ffff", "cpu", "float32") == path
     assert find_profile(tmp_path, key, "tiny-draft-ffff", "cpu", "bfloat16") is None
     assert find_profile(tmp_path, "other", "tiny-draft-ffff", "cpu", "float32") is None
+
+
+def _cpu(monkeypatch, flags: str) -> None:
+    """This test's CPU: an AMD EPYC with these /proc/cpuinfo flags."""
+    info = {"model name": "AMD EPYC", "flags": flags}
+    monkeypatch.setattr(profile_lookup, "cpuinfo_field", lambda name: info.get(name, ""))
+
+
+@pytest.mark.parametrize("flags, tier", [
+    ("fpu avx2 avx512f avx512_bf16 amx_tile amx_bf16", "amx"),
+    ("fpu avx2 avx512f avx512bw", "avx512"),
+    ("fpu sse4_2 avx2 fma", "avx2"),
+    ("fpu sse4_2", ""),
+])
+def test_cpu_profile_keys_name_the_instruction_set(monkeypatch, flags, tier):
+    """One CPU model name covers machines ~2x apart in float32 forwards (the AMD EPYC with
+    and without AVX-512): the key names the widest matrix instructions, and lookups fall
+    back to the key profiles had before (no tier)."""
+    _cpu(monkeypatch, flags)
+    threads = torch.get_num_threads()
+    legacy = f"cpu-AMD EPYC-{threads}t"
+    assert profile_lookup.cpu_isa_tier() == tier
+    assert profile_lookup.device_key("cpu", isa=False) == legacy
+    if tier:
+        assert profile_lookup.device_key("cpu") == f"cpu-AMD EPYC-{tier}-{threads}t"
+        assert profile_lookup.device_keys("cpu") == [profile_lookup.device_key("cpu"), legacy]
+    else:
+        assert profile_lookup.device_keys("cpu") == [legacy]
+
+
+def test_profile_lookup_takes_this_instruction_sets_profile_never_anothers(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLOSERVE_CACHE", str(tmp_path))
+    base = make_profile()
+    tk, dk = base.target.key, base.draft.key
+
+    def write(device: str, c: float) -> Path:
+        prof = dataclasses.replace(base, device=device,
+                                   target=ModelProfile(base.target.name, base.target.fingerprint,
+                                                       ForwardCost(TRUE.a, TRUE.b, c)))
+        return write_profile(prof, profile_path(tmp_path, prof))
+
+    def found() -> Path | None:
+        return profile_lookup.find_first(tk, dk, profile_lookup.device_keys("cpu"), "float32")
+
+    _cpu(monkeypatch, "avx2 avx512f")  # an AVX-512 EPYC
+    assert found() is None
+    legacy = write(profile_lookup.device_key("cpu", isa=False), 0.05)
+    assert found() == legacy  # measured before keys had a tier: still used
+    avx512 = write(profile_lookup.device_key("cpu"), 0.03)
+    assert found() == avx512 and read_profile(avx512).target.cost.c == 0.03
+    _cpu(monkeypatch, "avx2")  # the AVX2-only EPYC: the AVX-512 profile is not its own
+    assert found() == legacy
+    avx2 = write(profile_lookup.device_key("cpu"), 0.07)
+    assert found() == avx2 and avx2 != avx512
 
 
 def test_read_rejects_other_files(tmp_path):
