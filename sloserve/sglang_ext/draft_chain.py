@@ -131,8 +131,9 @@ class AlignedDraft:
         # the draft's memory pool does not exist yet when the worker is built)
         self._book: DraftKVBook | None = None  # (likewise)
         self.caught_up_tokens = 0  # positions read by catch-up extends (tests, logs)
-        # chain_topology's rows for batches wider than SGLang's preallocated ones
-        self._wide: tuple[torch.Tensor, torch.Tensor] | None = None
+        # chain_topology's rows for batches wider than SGLang's, per (parents, scores)
+        # width: each draft length's runtime state has its own
+        self._wide: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         # [N] int64 token ids of the draft head's rows when it is cut to a hot vocabulary
         # (use_hot_vocab); None: the full head, row i = token i
         self.hot: torch.Tensor | None = None
@@ -317,14 +318,18 @@ class AlignedDraft:
         preallocates rows for the largest decode batch it knows of at start (CUDA graphs'
         batch sizes, max_running_requests) and takes its own slow path past them; a CPU
         server batched 64 requests past them and its scheduler died in the tree kernel, so
-        wider batches get row 0 repeated."""
+        wider batches get row 0 repeated. The rows' widths follow the draft length of the
+        runtime state in force (activate_rounds), so the wide rows are kept per width: kept
+        for one only, a wide batch drafting more rounds than the first one read past its
+        chain's rows and stopped the scheduler (2026-12-04)."""
         parents = self.dw._topk1_parents_prealloc
         scores = self.dw._topk1_score_indices_prealloc
         if parents.shape[0] < bs:
-            wide = self._wide
+            key = (int(parents.shape[1]), int(scores.shape[1]))
+            wide = self._wide.get(key)
             if wide is None or wide[0].shape[0] < bs:
                 wide = (parents[:1].repeat(bs, 1), scores[:1].repeat(bs, 1))
-                self._wide = wide
+                self._wide[key] = wide
             parents, scores = wide
         return parents[:bs], scores[:bs]
 
