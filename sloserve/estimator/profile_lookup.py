@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -55,12 +56,14 @@ def device_key(device: str, isa: bool = True) -> str:
     return f"cpu-{model}-{tier + '-' if tier else ''}{torch.get_num_threads()}t"
 
 
-def device_keys(device: str) -> list[str]:
+def device_keys(device: str, key: Callable[[str, bool], str] | None = None) -> list[str]:
     """The keys a profile of this device is looked up by, best first: this instruction set's,
     then the untiered key of profiles measured before keys had one (measured on some
-    instruction set of this CPU model; the online correction fits its scales)."""
-    keys = [device_key(device)]
-    legacy = device_key(device, isa=False)
+    instruction set of this CPU model; the online correction fits its scales). key(device,
+    isa): a key built on device_key (default: device_key itself)."""
+    make = key or device_key
+    keys = [make(device, True)]
+    legacy = make(device, False)
     return keys if legacy in keys else keys + [legacy]
 
 

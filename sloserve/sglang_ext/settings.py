@@ -22,7 +22,7 @@ from typing import Any
 
 from sloserve.estimator.cost_model import CostModel, rough_cost
 from sloserve.estimator.profile_file import Profile, model_key, read_profile
-from sloserve.estimator.profile_lookup import device_key, find_first, fingerprint
+from sloserve.estimator.profile_lookup import device_key, device_keys, find_first, fingerprint
 from sloserve.policies.registry import make_policy
 from sloserve.sglang_ext.controller import StepController
 from sloserve.sglang_ext.cpu_weights import draft_dtype_from_env, layout_from_env
@@ -141,11 +141,10 @@ def find_sglang_profile(target_path: str, draft_path: str | None, device: str,
     if explicit:
         return read_profile(explicit)
     draft = draft_path is not None
-    devices = [sglang_device_key(device, draft)]
-    legacy = sglang_device_key(device, draft, isa=False)  # profiles keyed before 12-04
+    devices = device_keys(device, lambda dev, isa: sglang_device_key(dev, draft, isa))
     path = find_first(model_key(target_path, fingerprint(target_path)),
                       model_key(draft_path, fingerprint(draft_path)) if draft_path else "ngram",
-                      devices + ([legacy] if legacy not in devices else []), dtype)
+                      devices, dtype)
     if path is None:
         return None
     log.info("SPECSERVE cost profile: %s", path)

@@ -148,6 +148,15 @@ def test_cpu_profile_keys_name_the_instruction_set(monkeypatch, flags, tier):
         assert profile_lookup.device_keys("cpu") == [profile_lookup.device_key("cpu"), legacy]
     else:
         assert profile_lookup.device_keys("cpu") == [legacy]
+    # SGLang's profiles (settings.find_sglang_profile) are looked up the same way
+    from sloserve.sglang_ext import settings
+
+    sglang = profile_lookup.device_keys(
+        "cpu", lambda dev, isa: settings.sglang_device_key(dev, True, isa))
+    assert sglang[-1].startswith(f"sglang-{legacy}")
+    assert sglang == ([settings.sglang_device_key("cpu", True),
+                       settings.sglang_device_key("cpu", True, isa=False)] if tier else
+                      [settings.sglang_device_key("cpu", True, isa=False)])
 
 
 def test_profile_lookup_takes_this_instruction_sets_profile_never_anothers(tmp_path, monkeypatch):
