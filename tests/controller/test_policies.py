@@ -463,3 +463,36 @@ def test_specserve_new_requests_of_a_hopeless_draft_stop_after_their_first_round
     drafted = [drive_step(policy, good, work, np.full(batch, 0.95)).drafted.sum()
                for _ in range(6)]
     assert min(drafted) >= batch
+
+
+@pytest.mark.parametrize("small_batch", [8, 0])  # the Python-float plan and the numpy one
+def test_specserve_newcomers_of_a_weak_draft_are_planned_at_its_pooled_acceptance(small_batch):
+    """A weak draft whose few most confident tokens are accepted often enough that a round
+    planned at the map's top pays, while its tokens are accepted at 0.07 overall (the
+    weak draft inside SGLang on the AVX-512 EPYC: top 0.25, pooled 0.07). A newcomer's
+    first round is a guess at a token whose confidence is not known yet: its expected
+    acceptance is the pair's pooled one, not the best bin's. Planned at the top, every
+    newcomer drafted a round that does not pay (1 in ~60 steps at C = 1, each 1.4x a plain
+    step); floored at the pooled acceptance (not at the configured prior) once the map has
+    learnt online, later newcomers start from the running prior and do not."""
+    rng = np.random.default_rng(3)
+
+    def truth(c: np.ndarray) -> np.ndarray:
+        return np.where(c > 0.9, 0.3, 0.03)
+
+    work = SyntheticWorkload(rng, truth=truth, concentration=8.0)
+    policy = SpecServePolicy(COST, 8, small_batch=small_batch)
+    batch = 1  # where a round at the top pays (COST: above ~0.18), at the pooled one not
+    mean = np.full(batch, 0.5)
+    first_rounds = []
+    for wave in range(16):
+        step = make_step(batch, ids=[f"w{wave}-{i}" for i in range(batch)])
+        first_rounds.append(int(policy.plan(step).drafting.sum()))
+        for _ in range(8):
+            drive_step(policy, step, work, mean)
+        for rid in step.request_ids:
+            policy.release(rid)
+    g = policy.calibrator
+    assert g.online and g.pooled is not None and g.pooled < 0.15 and g.top > 2 * g.pooled
+    assert sum(first_rounds[:2]) > 0  # the first newcomers are measured
+    assert sum(first_rounds[-6:]) == 0  # later ones are not: 0.07 does not pay a round

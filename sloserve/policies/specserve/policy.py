@@ -108,13 +108,25 @@ class SpecServePolicy(SpecPolicy):
         # the target rejects (the weak draft, its map's top at 0.17) had every new request
         # draft once, with its prompt's catch-up: 1.25% of the run at C = 1 (2026-12-04,
         # BENCHMARKS.md). Only a map that learns online caps it (steps whose confidences
-        # are never told, uniform ones, would otherwise never measure anyone again)
+        # are never told, uniform ones, would otherwise never measure anyone again).
+        # Nor is the floor above the pair's pooled acceptance once the map has learnt
+        # online from enough samples: the first round guesses a token whose confidence is
+        # not known yet, so its expected acceptance is the pooled one, not the top bin's.
+        # A weak draft whose few most confident tokens are accepted (top 0.25, pooled 0.07:
+        # the weak draft on the AVX-512 EPYC) had every newcomer draft a round that paid
+        # only at the top (2026-12-04, BENCHMARKS.md); a pair whose pooled acceptance is
+        # above the configured prior keeps the floor there
         first = None
         fresh = self.history.fresh[slots]
         if fresh.any():
             first = pred.copy()
-            top = self.g.top if self.g.online else 1.0
-            np.clip(first, min(self.options.prior, top), top, out=first, where=fresh)
+            g = self.g
+            top = g.top if g.online else 1.0
+            floor = min(self.options.prior, top)
+            pooled = g.pooled if g.online else None
+            if pooled is not None and float(g.counts.sum()) >= RELAX_SAMPLES:
+                floor = min(floor, pooled)
+            np.clip(first, floor, top, out=first, where=fresh)
         seen = self.history.seen[slots]
         credit = self._lag_credit(step, slots, inputs.prices.cost)
         if B <= self.options.small_batch:
