@@ -29,7 +29,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from sloserve.listen import ListenError, check_free
+from sloserve.listen import ListenError, check_free, reserve_loopback_port
 from sloserve.policies.registry import (
     SPEC_GRAMMAR,
     SpeculationSettingError,
@@ -233,7 +233,9 @@ def _serve_guarded(args: argparse.Namespace, argv: Sequence[str]) -> int:
     import asyncio
     import subprocess
 
-    inner = ("127.0.0.1", free_loopback_port())
+    # held until the front stops: SGLang binds it beside the reservation (listen.py)
+    reservation = reserve_loopback_port(avoid=frozenset({args.port}))
+    inner = ("127.0.0.1", reservation.getsockname()[1])
     cmd, env = sglang_args(argv, bind=inner)
     limits = GuardLimits(max_n=args.max_n, max_batch_prompts=args.max_batch_prompts,
                          max_top_logprobs_num=args.max_top_logprobs_num,
@@ -248,51 +250,10 @@ def _serve_guarded(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return asyncio.run(serve(args.host, args.port, f"http://{inner[0]}:{inner[1]}", limits,
                                  child, upstream_keep_alive(env)))
     finally:
+        reservation.close()
         if child.poll() is None:
             child.terminate()
             child.wait(30)
-
-
-def free_loopback_port() -> int:
-    """A loopback port free now, for SGLang behind the guard (SGLang binds it about a minute
-    later). Drawn at random, not the kernel's next ephemeral port: two launchers started
-    together were handed the same one, and the second SGLang then failed to bind it and served
-    nothing (seen in CI, 2026-11-27). Drawn outside the kernel's ephemeral range too: until
-    SGLang listens, a connect to a port in that range can be given the same port as its own
-    source port and connect to itself, reading its own request back as the answer (CI,
-    2026-12-02: `BadStatusLine: GET /health_generate HTTP/1.1`), and holding the port
-    SGLang is about to bind."""
-    import random
-    import socket
-
-    rng = random.SystemRandom()
-    lo, hi = _port_draw_range()
-    for _ in range(200):
-        port = rng.randint(lo, hi)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as sock:  # a crowded range: the kernel's choice
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _port_draw_range() -> tuple[int, int]:
-    """Ports [lo, hi] to draw from: 20000 up to just below the kernel's ephemeral range
-    (Linux: /proc/sys/net/ipv4/ip_local_port_range, 32768-60999 by default), or above it
-    when it starts too low to leave a thousand; 20000-59999 where it cannot be read."""
-    try:
-        first, last = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    except (OSError, ValueError):
-        return 20000, 59999
-    if first - 20000 >= 1000:
-        return 20000, first - 1
-    if 65535 - last >= 1000:
-        return last + 1, 65535
-    return 20000, 59999
 
 
 def _vocab_size(cmd: list[str]) -> int | None:

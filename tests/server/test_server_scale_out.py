@@ -16,7 +16,7 @@ import httpx
 import pytest
 from server_testing import start_server, tiny_config
 
-from sloserve.cli.sglang_launch import free_loopback_port
+from sloserve.listen import reserve_loopback_port
 from sloserve.runtime.engine import Engine
 
 pytestmark = pytest.mark.skipif(
@@ -31,7 +31,9 @@ SP = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def cluster(tiny_pair, tmp_path_factory):
     replicas = [start_server(Engine(tiny_config(tiny_pair))) for _ in range(2)]
-    port = free_loopback_port()  # outside the ephemeral range: no connect meets itself
+    # outside the ephemeral range (no connect meets itself), held until the router binds it
+    reservation = reserve_loopback_port()
+    port = reservation.getsockname()[1]
     log = tmp_path_factory.mktemp("router") / "router.log"
     with open(log, "w") as out:
         router = subprocess.Popen(
@@ -58,6 +60,7 @@ def cluster(tiny_pair, tmp_path_factory):
             time.sleep(0.2)
         yield url, replicas
     finally:
+        reservation.close()
         router.terminate()
         try:
             router.wait(20)

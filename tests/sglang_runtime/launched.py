@@ -9,18 +9,31 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import socket
 import subprocess
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
-# the launcher's own picker: the kernel's bind(0) hands servers started together one port
-from sloserve.cli.sglang_launch import free_loopback_port as free_port
+# held, not only drawn: servers started together draw ports at once (listen.py)
+from sloserve.listen import reserve_loopback_port
 
 REPO = Path(__file__).resolve().parents[2]
 # the controller's cost profile of SGLang's forwards of the tiny pair on this CPU type
 TINY_PROFILE = REPO / "tests" / "sglang_runtime" / "tiny_pair_sglang_profile.json"
+
+
+# the session's port reservations, held to its end (a few dozen sockets)
+_HELD: list[socket.socket] = []
+
+
+def free_port() -> int:
+    """A loopback port for a test server, held for the session: the server binds it beside the
+    reservation, and no other draw (another server's, SGLang's own) can take it meanwhile."""
+    sock = reserve_loopback_port()
+    _HELD.append(sock)
+    return sock.getsockname()[1]
 
 
 def post(url: str, path: str, body: dict) -> dict:

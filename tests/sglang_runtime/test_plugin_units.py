@@ -623,27 +623,6 @@ def test_sglang_profile_measures_the_draft_model_and_keys_prompt_lookup_apart(tm
     assert profile.draft.key == "ngram"
 
 
-def test_the_inner_sglang_port_is_free_and_outside_the_kernels_ephemeral_range():
-    """Launchers started together each pick SGLang's port behind the guard; the kernel's
-    bind(0) handed two of them the same port (CI, 2026-11-27), so it is drawn at random; and
-    not from the ephemeral range, where a health check's connect before SGLang listened was
-    given the port itself and read its own request back (CI, 2026-12-02)."""
-    import socket
-
-    from sloserve.cli.sglang_launch import free_loopback_port
-
-    ports = {free_loopback_port() for _ in range(20)}
-    assert len(ports) >= 18 and all(1024 < p < 65536 for p in ports)
-    try:
-        first, last = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
-    except OSError:
-        return
-    assert not any(first <= p <= last for p in ports)
-    for p in ports:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", p))  # free
-
-
 def test_steady_window_ends_when_the_first_client_runs_out_of_work():
     """The closed loop's steady window: two clients, three requests. The third starts at
     t = 4 when the second request ends; the next finish after it (the first request, t = 10)
