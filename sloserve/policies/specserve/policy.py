@@ -123,8 +123,8 @@ class SpecServePolicy(SpecPolicy):
             g = self.g
             top = g.top if g.online else 1.0
             floor = min(self.options.prior, top)
-            pooled = g.pooled if g.online else None
-            if pooled is not None and float(g.counts.sum()) >= RELAX_SAMPLES:
+            pooled = self._pooled_anchor() if g.online else None
+            if pooled is not None:
                 floor = min(floor, pooled)
             np.clip(first, floor, top, out=first, where=fresh)
         seen = self.history.seen[slots]
@@ -205,6 +205,13 @@ class SpecServePolicy(SpecPolicy):
                 mean = float(np.asarray(plan.predictions())[seen].mean())
                 self.prior += PRIOR_EMA * (mean - self.prior)
 
+    def _pooled_anchor(self) -> float | None:
+        """The pair's pooled acceptance (the map's accepted share of all its samples), None
+        until the map counted RELAX_SAMPLES: a few samples say little (one is 0 or 1)."""
+        if float(self.g.counts.sum()) < RELAX_SAMPLES:
+            return None
+        return self.g.pooled
+
     def _relax_paused(self, slots: np.ndarray, paused: np.ndarray) -> None:
         """Move the predictions of the requests measured before that did not draft this step
         ([B] paused) pause_relax of the way to the pair's pooled acceptance (sec. 5): a
@@ -215,9 +222,9 @@ class SpecServePolicy(SpecPolicy):
         rate = self.options.pause_relax
         if not rate or not paused.any():
             return
-        anchor = self.g.pooled
-        if anchor is None or float(self.g.counts.sum()) < RELAX_SAMPLES:
-            return  # a few samples say little about the pair (one is 0 or 1)
+        anchor = self._pooled_anchor()
+        if anchor is None:
+            return
         values, idx = self.history.values, slots[paused]
         values[idx] += rate * (anchor - values[idx])
 
