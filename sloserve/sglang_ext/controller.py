@@ -246,6 +246,9 @@ class StepController:
                 row["theta"] = [round(corr.theta_target, 4), round(corr.theta_verify, 4),
                                 round(corr.theta_draft, 4)]
                 row["verify_fixed"] = round(corr.verify_fixed, 6)
+            guard = getattr(self.policy, "guard", None)
+            if guard is not None:  # the SLO rule's overrun scale after this step
+                row["overrun"] = round(guard.scale, 4)
             if step.chain_conf is not None and step.chain_conf.shape[1] == step.rounds:
                 # the chain's confidences [B][k] and each request's accepted drafts
                 row["conf"] = _jsonable(step.chain_conf)
