@@ -81,16 +81,22 @@ def reserve_loopback_port(avoid: frozenset[int] = frozenset()) -> socket.socket:
                       f"in 200 draws from {ranges}")
 
 
-def _draw_ranges() -> list[tuple[int, int]]:
-    """Port ranges [lo, hi] to draw from: 20000 up to just below the kernel's ephemeral range
-    (Linux: /proc/sys/net/ipv4/ip_local_port_range, 32768-60999 by default) less
-    SGLANG_PORT_DRAW, or above the ephemeral range when it starts too low to leave a thousand;
-    20000-21999 and 30000-32767 where it cannot be read."""
+def ephemeral_range() -> tuple[int, int]:
+    """The ports [first, last] the kernel hands out for bind(0) and connect() (Linux:
+    /proc/sys/net/ipv4/ip_local_port_range; its default, 32768-60999, where unreadable)."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             first, last = map(int, f.read().split())
     except (OSError, ValueError):
-        first, last = 32768, 60999
+        return 32768, 60999
+    return first, last
+
+
+def _draw_ranges() -> list[tuple[int, int]]:
+    """Port ranges [lo, hi] to draw from: 20000 up to just below the kernel's ephemeral range
+    (ephemeral_range) less SGLANG_PORT_DRAW, or above the ephemeral range when it starts too
+    low to leave a thousand."""
+    first, last = ephemeral_range()
     if first - 20000 >= 1000:
         below = [(20000, min(first - 1, SGLANG_PORT_DRAW[0] - 1))]
         if first - 1 > SGLANG_PORT_DRAW[1]:

@@ -11,16 +11,7 @@ import socket
 import pytest
 
 from sloserve import listen
-from sloserve.listen import SGLANG_PORT_DRAW, ListenError, reserve_loopback_port
-
-
-def _ephemeral() -> tuple[int, int] | None:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            first, last = map(int, f.read().split())
-    except OSError:
-        return None
-    return first, last
+from sloserve.listen import SGLANG_PORT_DRAW, ListenError, ephemeral_range, reserve_loopback_port
 
 
 def test_a_held_port_is_refused_to_every_other_draw_and_taken_by_its_server():
@@ -28,11 +19,10 @@ def test_a_held_port_is_refused_to_every_other_draw_and_taken_by_its_server():
     try:
         ports = [s.getsockname()[1] for s in held]
         assert len(set(ports)) == 20
-        eph = _ephemeral()
+        first, last = ephemeral_range()
         for p in ports:
             assert not SGLANG_PORT_DRAW[0] <= p <= SGLANG_PORT_DRAW[1]
-            if eph:
-                assert not eph[0] <= p <= eph[1]
+            assert not first <= p <= last
         port = ports[0]
         # a draw's check binds without SO_REUSEADDR (ours, SGLang's nccl_port): refused, on
         # the loopback address and on every address
@@ -90,6 +80,5 @@ def test_draw_ranges_leave_out_sglangs_draws_and_the_ephemeral_range():
     for lo, hi in listen._draw_ranges():
         assert lo <= hi
         assert hi < SGLANG_PORT_DRAW[0] or lo > SGLANG_PORT_DRAW[1]
-        eph = _ephemeral()
-        if eph:
-            assert hi < eph[0] or lo > eph[1]
+        first, last = ephemeral_range()
+        assert hi < first or lo > last
