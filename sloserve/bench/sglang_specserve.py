@@ -43,6 +43,9 @@ CPU engine's flags added on machines without CUDA), float32, the same model pair
                   CPU has bf16 matmul hardware (SLOSERVE_CPU_DRAFT_DTYPE=float32; bf16 by
                   default there, sloserve/sglang_ext/cpu_weights.py); with a layout suffix
                   in either order
+    SYSTEM/pad, SYSTEM/nopad  any system whose float32 packed products of 1-3 rows are
+                  padded to 4 rows / never padded (SLOSERVE_CPU_PAD_ROWS=on / off; by
+                  default the machine's measured decision, runtime/models/cpu_linear.py)
 
 SGLang's own adaptive speculation (`--speculative-adaptive`) applies only to EAGLE/EAGLE3
 in 0.5.23 (speculative/adaptive_spec_params.py: adaptive_unsupported_reason); with
@@ -98,6 +101,7 @@ from pathlib import Path
 from sloserve.bench.common import bench_prompts, machine_info, print_table, write_json
 from sloserve.replay.http_target import SSEStream, consume_sse_line
 from sloserve.sglang_cpu.cpu_server import stop_server, wait_ready
+from sloserve.runtime.models.cpu_linear import PAD_ENV
 from sloserve.sglang_ext.cpu_weights import DRAFT_DTYPE_ENV, LAYOUT_ENV
 
 REPO = Path(__file__).resolve().parents[2]
@@ -128,7 +132,8 @@ def ours(system: str) -> bool:
 
 # suffixes that set one system's server environment (any of them, last, in any order)
 ENV_SUFFIXES = {"/row": (LAYOUT_ENV, "row"), "/column": (LAYOUT_ENV, "column"),
-                "/packed": (LAYOUT_ENV, "packed"), "/f32-draft": (DRAFT_DTYPE_ENV, "float32")}
+                "/packed": (LAYOUT_ENV, "packed"), "/f32-draft": (DRAFT_DTYPE_ENV, "float32"),
+                "/pad": (PAD_ENV, "on"), "/nopad": (PAD_ENV, "off")}
 
 
 def _env_suffixes(system: str) -> tuple[str, dict[str, str]]:

@@ -42,6 +42,7 @@ from sloserve.runtime.models.cpu_linear import (
     pack_weight,
     packed_linear,
     packed_linear_available,
+    padded_row_counts,
 )
 
 LAYOUT_ENV = "SLOSERVE_CPU_WEIGHTS"
@@ -125,6 +126,7 @@ class PackedF32Method:
         self.inner = inner
         self.packed = pack_weight(weight)
         self.out_features = int(weight.shape[0])
+        padded_row_counts()  # the machine's decision (cpu_linear.py) now, not in a forward
         if release:
             weight.data = torch.full((1,), float("nan"), dtype=weight.dtype,
                                      device=weight.device).expand(weight.shape)
