@@ -77,8 +77,8 @@ def test_the_front_port_is_never_drawn_for_the_server_behind_it(monkeypatch):
 
 
 def test_draw_ranges_leave_out_sglangs_draws_and_the_ephemeral_range():
+    first, last = ephemeral_range()
     for lo, hi in listen._draw_ranges():
         assert lo <= hi
         assert hi < SGLANG_PORT_DRAW[0] or lo > SGLANG_PORT_DRAW[1]
-        first, last = ephemeral_range()
         assert hi < first or lo > last
