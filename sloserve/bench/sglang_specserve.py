@@ -100,8 +100,8 @@ from pathlib import Path
 
 from sloserve.bench.common import bench_prompts, machine_info, print_table, write_json
 from sloserve.replay.http_target import SSEStream, consume_sse_line
-from sloserve.sglang_cpu.cpu_server import stop_server, wait_ready
 from sloserve.runtime.models.cpu_linear import PAD_ENV
+from sloserve.sglang_cpu.cpu_server import stop_server, wait_ready
 from sloserve.sglang_ext.cpu_weights import DRAFT_DTYPE_ENV, LAYOUT_ENV
 
 REPO = Path(__file__).resolve().parents[2]
