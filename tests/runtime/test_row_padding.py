@@ -104,3 +104,11 @@ def test_auto_reads_the_machines_file(setting, tmp_path, monkeypatch):
     path.write_text(json.dumps({"pad": [2]}))
     setting(None)
     assert padded_row_counts() == frozenset({2})
+
+
+def test_no_cache_to_keep_a_decision_in_pads_nothing(setting, tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    home.write_text("a file, not a directory: the cache cannot be made under it")
+    monkeypatch.setenv("HOME", str(home))
+    setting(None)
+    assert padded_row_counts() == frozenset()

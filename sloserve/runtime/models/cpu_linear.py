@@ -81,7 +81,12 @@ def padded_row_counts() -> frozenset[int]:
     setting = pad_setting()
     if setting != "auto":
         return frozenset(range(1, PAD_TO)) if setting == "on" else frozenset()
-    return machine_padding(_decision_path())
+    try:
+        return machine_padding(_decision_path())
+    except OSError as e:  # no cache to keep a decision in (a read-only or missing home):
+        # nothing is padded, in every process alike (the unpadded product is never wrong)
+        log.warning("float32 packed products not padded: no decision file (%s)", e)
+        return frozenset()
 
 
 def _decision_path() -> Path:
