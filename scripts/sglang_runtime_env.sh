@@ -72,6 +72,13 @@ for name in ("torch", "transformers", "tokenizers", "sglang", "numpy"):
     print(f"{name}=={md.version(name)}")
 PY
     PIP_CONSTRAINT="$env_dir/.pins.txt" "$py" -m pip install -q -e "$repo" >&2
+    # The CPU shim's attention runs the project's C++ kernels, built for SGLang's torch: build
+    # them now (15-30 s once per machine, torch and kernel sources) rather than in a server's
+    # first request. A failed build is not fatal: the shim then attends in plain torch.
+    if ! "$py" -c "import torch; torch.cuda.is_available() and exit(0)
+from sloserve.runtime.cpu_kernels import cpu_ops; exit(cpu_ops() is None)" >&2; then
+        log "the C++ CPU kernels did not build for SGLang's torch; its CPU shim will attend in plain torch"
+    fi
     echo "$source_key" > "$env_dir/.sloserve-source"
 fi
 echo "$py"

@@ -46,6 +46,9 @@ CPU engine's flags added on machines without CUDA), float32, the same model pair
     SYSTEM/pad, SYSTEM/nopad  any system whose float32 packed products of 1-3 rows are
                   padded to 4 rows / never padded (SLOSERVE_CPU_PAD_ROWS=on / off; by
                   default the machine's measured decision, runtime/models/cpu_linear.py)
+    SYSTEM/torch-attn  any system whose CPU shim attends in plain torch instead of the
+                  project's C++ paged attention (SLOSERVE_CPU_KERNELS=0;
+                  sloserve/sglang_cpu/cpu_ops/attention.py)
 
 SGLang's own adaptive speculation (`--speculative-adaptive`) applies only to EAGLE/EAGLE3
 in 0.5.23 (speculative/adaptive_spec_params.py: adaptive_unsupported_reason); with
@@ -100,6 +103,7 @@ from pathlib import Path
 
 from sloserve.bench.common import bench_prompts, machine_info, print_table, write_json
 from sloserve.replay.http_target import SSEStream, consume_sse_line
+from sloserve.runtime.cpu_kernels import ENV_SWITCH as KERNELS_ENV
 from sloserve.runtime.models.cpu_linear import PAD_ENV
 from sloserve.sglang_cpu.cpu_server import stop_server, wait_ready
 from sloserve.sglang_ext.cpu_weights import DRAFT_DTYPE_ENV, LAYOUT_ENV
@@ -133,7 +137,8 @@ def ours(system: str) -> bool:
 # suffixes that set one system's server environment (any of them, last, in any order)
 ENV_SUFFIXES = {"/row": (LAYOUT_ENV, "row"), "/column": (LAYOUT_ENV, "column"),
                 "/packed": (LAYOUT_ENV, "packed"), "/f32-draft": (DRAFT_DTYPE_ENV, "float32"),
-                "/pad": (PAD_ENV, "on"), "/nopad": (PAD_ENV, "off")}
+                "/pad": (PAD_ENV, "on"), "/nopad": (PAD_ENV, "off"),
+                "/torch-attn": (KERNELS_ENV, "0")}
 
 
 def _env_suffixes(system: str) -> tuple[str, dict[str, str]]:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from sloserve.sglang_cpu import cpu_ops
+from sloserve.sglang_cpu.cpu_ops import attention as attention_mod
 from sloserve.sglang_cpu.cpu_server import SHIM_DIR
 
 H, HKV, D, DV = 4, 2, 16, 16  # GQA: 2 query heads per KV head
@@ -271,6 +272,111 @@ def test_extend_attention_tree_mask_qlen_only():
     )
     ref = _ref_extend(k_buf, v_buf, r2t, q, k_ext, v_ext, rpi, starts, prefix_lens, ext_lens,
                       sees, 0.2)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------ the C++ kernel path against the torch path
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts the C++ paged attention's calls (skips where the kernels did not build)."""
+    kernel = attention_mod._paged_kernel()
+    if kernel is None:
+        pytest.skip("the C++ CPU kernels are unavailable here")
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return kernel(*args)
+
+    monkeypatch.setattr(attention_mod, "_paged_kernel", lambda: counted)
+    return calls
+
+
+def _store_extend(k_buf, v_buf, r2t, rpi, starts, prefix_lens, ext_lens, k_ext, v_ext):
+    """What SGLang's backend does before extend_attention_cpu: the extend's K/V at its slots."""
+    for b, (p, e) in enumerate(zip(prefix_lens, ext_lens)):
+        slots = r2t[rpi[b], p : p + e].long()
+        k_buf[slots] = k_ext[starts[b] : starts[b] + e]
+        v_buf[slots] = v_ext[starts[b] : starts[b] + e]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_serves_decode_and_a_ragged_verify_and_matches_the_torch_path(
+        kernel_calls, monkeypatch, dtype):
+    """A decode step and a verify whose requests verify 0-3 drafts (1-4 rows, prefixes from 0)
+    run in the C++ kernel; the result is the reference's and the torch path's (forced by a
+    missing kernel) up to float rounding. bf16: the draft's cache and queries."""
+    prefix_lens, ext_lens = [6, 0, 11, 3, 8], [1, 4, 1, 3, 2]
+    k_buf, v_buf, r2t, q, k_ext, v_ext, rpi, starts, seq_lens = _extend_case(
+        prefix_lens, ext_lens, seed=11, dtype=dtype)
+    _store_extend(k_buf, v_buf, r2t, rpi, starts, prefix_lens, ext_lens, k_ext, v_ext)
+    ext = torch.tensor(ext_lens)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+
+    def run_extend() -> torch.Tensor:
+        out = torch.full((q.shape[0], H, DV), float("nan"), dtype=dtype)
+        cpu_ops.extend_attention(q, k_ext, v_ext, out, k_buf, v_buf, 1.0, 1.0, r2t, rpi,
+                                 seq_lens, ext, starts, 4, 0.3, 0.0)
+        return out
+
+    def run_decode() -> torch.Tensor:
+        out = torch.full((3, H, DV), float("nan"), dtype=dtype)
+        cpu_ops.decode_attention(q[:3], k_buf, v_buf, 1.0, 1.0, out, None, None,
+                                 torch.zeros(3, dtype=torch.long), torch.empty(0), r2t,
+                                 rpi[:3], seq_lens[:3], 0.3, 0.0)
+        return out
+
+    ext_kernel, dec_kernel = run_extend(), run_decode()
+    assert kernel_calls == [q.shape[0], 3], "the kernel did not serve both calls"
+    ref = _ref_extend(k_buf, v_buf, r2t, q, k_ext, v_ext, rpi, starts, prefix_lens, ext_lens,
+                      lambda b, i, j: j <= i, 0.3)
+    torch.testing.assert_close(ext_kernel.double(), ref, atol=tol, rtol=tol)
+    for b in range(3):
+        slots = r2t[rpi[b], : seq_lens[b]].long()
+        r = _ref_attention(q[b : b + 1], k_buf[slots], v_buf[slots], [[True] * len(slots)], 0.3)
+        torch.testing.assert_close(dec_kernel[b].double(), r[0], atol=tol, rtol=tol)
+    monkeypatch.setattr(attention_mod, "_paged_kernel", lambda: None)
+    torch.testing.assert_close(run_extend(), ext_kernel, atol=tol, rtol=tol)
+    torch.testing.assert_close(run_decode(), dec_kernel, atol=tol, rtol=tol)
+
+
+def test_kernel_gives_a_verify_row_the_bits_of_a_decode_row(kernel_calls):
+    """Each query row is computed alike whatever its segment: the last row of a verify equals,
+    bit for bit, a decode of the same token over the same keys (greedy speculation's output
+    equals plain greedy's only if the target's logits do not depend on the verify length)."""
+    prefix_lens, ext_lens = [9, 4], [3, 1]
+    k_buf, v_buf, r2t, q, k_ext, v_ext, rpi, starts, seq_lens = _extend_case(
+        prefix_lens, ext_lens, seed=13)
+    _store_extend(k_buf, v_buf, r2t, rpi, starts, prefix_lens, ext_lens, k_ext, v_ext)
+    out = torch.empty(q.shape[0], H, DV)
+    cpu_ops.extend_attention(q, k_ext, v_ext, out, k_buf, v_buf, 1.0, 1.0, r2t, rpi, seq_lens,
+                             torch.tensor(ext_lens), starts, 3, 0.3, 0.0)
+    last = [int(starts[b]) + e - 1 for b, e in enumerate(ext_lens)]
+    dec = torch.empty(2, H, DV)
+    cpu_ops.decode_attention(q[last], k_buf, v_buf, 1.0, 1.0, dec, None, None,
+                             torch.zeros(2, dtype=torch.long), torch.empty(0), r2t, rpi,
+                             seq_lens, 0.3, 0.0)
+    assert len(kernel_calls) == 2
+    assert torch.equal(out[last], dec)
+
+
+def test_extend_keys_not_in_the_cache_take_the_torch_path(kernel_calls):
+    """The kernel reads the extend's keys from the cache; a caller that passed them without
+    storing them (the schema lets k_buffer be read only) gets the torch path, which reads
+    k_extend, and the cache stays untouched."""
+    prefix_lens, ext_lens = [5, 2], [2, 3]
+    k_buf, v_buf, r2t, q, k_ext, v_ext, rpi, starts, seq_lens = _extend_case(
+        prefix_lens, ext_lens, seed=17)
+    k0, v0 = k_buf.clone(), v_buf.clone()
+    out = torch.empty(q.shape[0], H, DV)
+    cpu_ops.extend_attention(q, k_ext, v_ext, out, k_buf, v_buf, 1.0, 1.0, r2t, rpi, seq_lens,
+                             torch.tensor(ext_lens), starts, 3, 0.3, 0.0)
+    assert kernel_calls == []
+    assert torch.equal(k_buf, k0) and torch.equal(v_buf, v0)
+    ref = _ref_extend(k_buf, v_buf, r2t, q, k_ext, v_ext, rpi, starts, prefix_lens, ext_lens,
+                      lambda b, i, j: j <= i, 0.3)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 

@@ -28,12 +28,24 @@ built once a forward (`_PlanMemo`), which took a ragged verify's attention at ba
 rows) from 22 to 15 ms a 30-layer forward and at batch 16 (42 rows) from 77 to 58 ms
 (the 2-core Xeon, 2026-11-29; decode unchanged at 9 and 43 ms).
 
+The project's C++ paged attention (`sloserve.runtime.cpu_kernels`, the built-in engine's
+kernel) serves decode steps and short causal extends whenever it loaded, the logit cap is off,
+no tree mask is given and the cache already holds the extend's keys (SGLang's backend writes
+them before the call): it reads each request's keys in place through its req_to_token row (a
+block table of block size 1), pads and gathers nothing, and computes each query row alike
+whatever the batch, so a verify row gets a decode row's bits. On the 2-core AVX-512 EPYC a
+30-layer SmolLM2 forward's attention at batch 4 went from ~11 ms (decode) and ~16 ms (a
+ragged verify of 10 rows) to ~2 and ~5 ms (2026-12-05, BENCHMARKS.md). SLOSERVE_CPU_KERNELS=0
+or a failed build keeps the torch code below.
+
 Not implemented (SGLang passes them only for models this project does not serve; each raises
 NotImplementedError naming the op): cross attention, sliding windows, attention sinks, encoder
 lengths, FP8 / int8 KV caches.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -108,6 +120,62 @@ def _gather(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     times faster than advanced indexing here)."""
     B, L = slots.shape
     return buf.index_select(0, slots.reshape(-1)).view(B, L, *buf.shape[1:])
+
+
+@functools.cache
+def _paged_kernel():
+    """torch.ops.sloserve_cpu.paged_attention_small, or None (no compiler, the build failed,
+    SLOSERVE_CPU_KERNELS=0). Loaded at the first attention call: a build (first start on a
+    machine whose kernels were not built at install) logs and takes 15-30 s."""
+    from sloserve.runtime.cpu_kernels import paged_attention_op
+
+    return paged_attention_op()
+
+
+class _Segments:
+    """The C++ kernel's arguments for a decode or a short causal extend: segment b is request
+    b's q_lens[b] query rows from row rows[b] of q, at positions first[b] .. lens[b] - 1 of
+    its context, whose keys sit at table[b, :lens[b]] (req_to_token's row, block size 1)."""
+
+    def __init__(self, req_to_token: torch.Tensor, pool_idx: torch.Tensor, lens: torch.Tensor,
+                 q_lens: torch.Tensor, rows: torch.Tensor) -> None:
+        L = int(lens.max())
+        self.table = req_to_token[:, :L].index_select(0, pool_idx).long()  # [bs, L]
+        self.rows = rows.contiguous()  # [bs] int64
+        self.q_lens = q_lens.contiguous()  # [bs] int64
+        self.first = (lens - q_lens).contiguous()  # [bs] int64
+        # [T] the extend tokens' KV slots, in q's row order (where the cache must hold the
+        # keys passed as k_extend), and those rows of q
+        E = int(q_lens.max())
+        i = torch.arange(E)
+        b_idx, e_idx = (i[None, :] < q_lens[:, None]).nonzero(as_tuple=True)
+        self.src = rows[b_idx] + e_idx
+        self.slots = self.table[b_idx, self.first[b_idx] + e_idx]
+
+
+def _run_kernel(kernel, plan: _Segments, q: torch.Tensor, k_buffer: torch.Tensor,
+                v_buffer: torch.Tensor, out: torch.Tensor, sm_scale: float) -> None:
+    """q [T, H, D] (any dtype), out [T, H, Dv]: the kernel's float32 rows of every segment."""
+    qf = q if q.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == q.shape[2] \
+        else q.float().contiguous()
+    direct = out.dtype == torch.float32 and out.is_contiguous()
+    o = out if direct else torch.empty(out.shape, dtype=torch.float32)
+    kernel(qf, k_buffer, v_buffer, plan.rows, plan.q_lens, plan.first, plan.table, 1,
+           sm_scale, o)
+    if not direct:
+        out.copy_(o.to(out.dtype))
+
+
+def _kernel_fits(kernel, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                 logit_cap: float) -> bool:
+    """What the C++ kernel computes exactly as the torch path does: no logit cap, a float
+    cache of one dtype (float32 or bf16), contiguous, head_dim a multiple of 16, equal K/V
+    head dims."""
+    return (kernel is not None and logit_cap <= 0 and q.shape[0] > 0
+            and k_buffer.dtype in (torch.float32, torch.bfloat16)
+            and v_buffer.dtype == k_buffer.dtype and k_buffer.is_contiguous()
+            and v_buffer.is_contiguous() and k_buffer.shape == v_buffer.shape
+            and q.shape[2] == k_buffer.shape[2] and q.shape[2] % 16 == 0)
 
 
 class _Rows:
@@ -240,6 +308,16 @@ def decode_attention(
     if key is not None and value is not None:
         k_buffer[loc] = key.to(k_buffer.dtype)
         v_buffer[loc] = value.to(v_buffer.dtype)
+    kernel = _paged_kernel()
+    if _kernel_fits(kernel, query, k_buffer, v_buffer, logit_cap):
+        pool_idx, lens = req_pool_indices.long(), seq_lens.long()  # [bs]
+        bs = query.shape[0]
+        seg = _MEMO.get(("segments",), req_to_token, pool_idx, [lens],
+                        lambda: _Segments(req_to_token, pool_idx, lens,
+                                          torch.ones(bs, dtype=torch.long), torch.arange(bs)))
+        assert isinstance(seg, _Segments)
+        _run_kernel(kernel, seg, query, k_buffer, v_buffer, output, sm_scale)
+        return
     if logit_cap <= 0 and query.shape[0]:
         pool_idx, lens = req_pool_indices.long(), seq_lens.long()  # [bs]
         plan = _MEMO.get(("rows",), req_to_token, pool_idx, [lens],
@@ -290,8 +368,22 @@ def extend_attention(
     ext_lens, lens = extend_seq_lens.long(), seq_lens.long()
     if bool((lens < ext_lens).any()):
         raise ValueError(f"sgl_kernel.{op}: prefix length < 0 for a sequence")
-    if (logit_cap <= 0 and tree_mask is None and lens.numel()
-            and int(ext_lens.max()) <= SHORT_EXTEND):
+    short = bool(lens.numel()) and int(ext_lens.max()) <= SHORT_EXTEND
+    kernel = _paged_kernel()
+    if (short and tree_mask is None and is_causal and bool((ext_lens > 0).all())
+            and _kernel_fits(kernel, q_extend, k_buffer, v_buffer, logit_cap)):
+        pool_idx, starts = req_pool_indices.long(), extend_start_loc.long()
+        seg = _MEMO.get(("segments-ext",), req_to_token, pool_idx, [lens, ext_lens, starts],
+                        lambda: _Segments(req_to_token, pool_idx, lens, ext_lens, starts))
+        assert isinstance(seg, _Segments)
+        # the kernel reads the extend's keys from the cache: SGLang's backend stored them
+        # before the call; a caller that did not (the schema lets k_buffer be read only) gets
+        # the torch path, which takes them from k_extend
+        if k_extend is None or v_extend is None or _cache_holds(seg, k_extend, v_extend,
+                                                                k_buffer, v_buffer):
+            _run_kernel(kernel, seg, q_extend, k_buffer, v_buffer, o_extend, sm_scale)
+            return
+    if logit_cap <= 0 and tree_mask is None and short:
         pool_idx, starts = req_pool_indices.long(), extend_start_loc.long()
         G = q_extend.shape[1] // k_buffer.shape[1]
         plan = _MEMO.get(("short", is_causal, G), req_to_token, pool_idx,
@@ -342,6 +434,16 @@ def extend_attention(
         else:
             out = _attend(qb, k, v, visible, sm_scale, logit_cap)
         o_extend[start : start + n_ext] = out.to(o_extend.dtype)
+
+
+def _cache_holds(seg: _Segments, k_extend: torch.Tensor, v_extend: torch.Tensor,
+                 k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> bool:
+    """Whether the cache's extend slots hold k_extend / v_extend's rows (as stored: in the
+    cache's dtype)."""
+    k = k_extend.index_select(0, seg.src).to(k_buffer.dtype)
+    v = v_extend.index_select(0, seg.src).to(v_buffer.dtype)
+    return (torch.equal(k_buffer.index_select(0, seg.slots), k)
+            and torch.equal(v_buffer.index_select(0, seg.slots), v))
 
 
 # A speculative verify with per-request lengths mixes requests that verify nothing (one row:
