@@ -44,7 +44,17 @@ samples (the fit starts at the profile and moves as evidence comes) on top of `r
 pseudo-steps that stay. The ridge biases a scale with steady evidence by
 ~ridge * (1 - forget), 0.5% by default; a scale whose evidence stops (theta_draft while
 speculation is off) returns to the profile within a few hundred steps, so a pessimistic
-price learned from a few slow steps cannot turn speculation off for good. A sample more
+price learned from a few slow steps cannot turn speculation off for good.
+The features that only some steps carry (the drafting, the verified tokens and the verify
+path's price) never weigh less in all than at the start: their prior is the fading one or
+what their faded evidence falls short of `prior_weight` by, whichever is more. While steps
+carry them the prior fades as before; over a pause the evidence fades, the prior takes its
+place, and a scale that returned to the profile is as sure of it as at the start, not held
+by the ridge alone. With the ridge
+alone, the first drafting step after 500 steps at batch 16 that drafted nothing (its
+draft reading 88 rows of catch-up, 38 ms against ~12) set theta_draft to its bound, 4x,
+and the verify path's price v to 7x, and drafting at batch 4 stayed off for the next
+hundreds of steps (SGLang, the smollm2 pair, 2026-12-05). A sample more
 than `clip` times off the current prediction is clipped to that ratio (a GC pause or a
 preempted step must not swing the fit), and every scale stays in
 [1 / max_scale, max_scale] (v: within max_scale of the profile's, or up to a plain forward;
@@ -72,7 +82,12 @@ class StepCostCorrection:
         if not 0.0 < forget <= 1.0:
             raise ValueError(f"forget must be in (0, 1], got {forget}")
         self.forget = forget
+        self.prior_weight = prior_weight
         self.prior_left = prior_weight  # the fading prior's pseudo-steps
+        # the faded counts of the steps that carried the features only some steps carry
+        # (drafting; the verified tokens and v): their priors keep the count and the prior
+        # together at prior_weight pseudo-steps at least (_prior_for)
+        self.n_draft = self.n_verify = 0.0
         self.ridge = ridge
         self.clip = clip
         self.max_scale = max_scale
@@ -175,7 +190,9 @@ class StepCostCorrection:
         # v's floor: one fast verify step among few once set v to 0 and theta_verify to its
         # floor (its prior had faded to the ridge), and the plan then drafted 32 steps in a
         # row at batch 1 that accepted next to nothing (2026-12-02, BENCHMARKS.md)
-        prior_w = np.array([lam, w * self.tok2 if self.tok2 > 0.0 else lam, w])
+        self.n_verify = f * self.n_verify + (1.0 if x[2] > 0.0 else 0.0)
+        wv = self._prior_for(self.n_verify)
+        prior_w = np.array([lam, wv * self.tok2 if self.tok2 > 0.0 else lam, wv])
         A = self.sxx3 + np.diag(prior_w)
         b = self.sxy3 + prior_w * np.array([1.0, 1.0, v0])
         try:
@@ -205,12 +222,19 @@ class StepCostCorrection:
             self.sdd += draft * draft
             self.sdm += draft * m_draft
             self.d2 = self._typical(self.d2, draft * draft)
+            self.n_draft = f * self.n_draft + 1.0
         else:
             m_draft = self.theta_draft * draft
+            self.n_draft *= f
         if self.d2 > 0.0:
-            lam = w * self.d2
+            lam = self._prior_for(self.n_draft) * self.d2
             self.theta_draft = self._bound((self.sdm + lam) / (self.sdd + lam))
         return w, m_draft
+
+    def _prior_for(self, n: float) -> float:
+        """The prior's pseudo-steps (ridge included) of a feature whose steps' faded count
+        is n: the fading prior, or what n falls short of prior_weight by."""
+        return max(self.prior_left, self.prior_weight - n) + self.ridge
 
     def _typical(self, mean: float, x: float) -> float:
         return x if mean == 0.0 else mean + (1.0 - self.forget) * (x - mean)

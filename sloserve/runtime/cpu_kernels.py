@@ -108,6 +108,13 @@ def cpu_ops():
         return None
 
 
+def kernels_ready() -> bool:
+    """The kernels are switched on and already built for this torch and CPU: a process that
+    asks for them loads them without compiling (a cost profile's key says whether the CPU
+    attention it priced ran them: sglang_ext/settings.py)."""
+    return os.environ.get(ENV_SWITCH, "1") != "0" and _is_built(build_name())
+
+
 def paged_attention_op():
     ops = cpu_ops()
     return None if ops is None else ops.paged_attention_small

@@ -118,20 +118,43 @@ def worker_config() -> WorkerConfig:
     return WorkerConfig.from_json(raw) if raw else WorkerConfig()
 
 
-def sglang_device_key(device: str, draft_model: bool = True, isa: bool = True) -> str:
+def sglang_device_key(device: str, draft_model: bool = True, isa: bool = True,
+                      kernel: bool | None = None) -> str:
     """The device part of an SGLang profile's key. On a CPU the plugin stores float32 linear
     weights column-major or prepacked for oneDNN (cpu_weights.py), which changes every
     forward's cost: "-wcol" or "-wpak" then; a profile measured with SGLang's row-major
     weights keeps the plain key.
     A draft model whose matmuls run in bf16 there (draft_model: the pair has one;
     SLOSERVE_CPU_DRAFT_DTYPE, cpu_weights.py) drafts at another price: "-dbf16" after it.
+    Attention through the project's C++ paged kernel (the CPU shim's decode and short
+    extends; kernel None: whether it is on and built here, runtime/cpu_kernels.py) made
+    SGLang's CPU forwards 4-17% faster than its torch path and the verify rows cheaper
+    (2026-12-05, BENCHMARKS.md): "-kpa" last.
     isa=False: without the CPU's instruction set tier (profile_lookup.device_key)."""
     key = f"sglang-{device_key(device, isa)}"
     if device.startswith("cpu"):
         key += {"column": "-wcol", "packed": "-wpak"}.get(layout_from_env(), "")
         if draft_model and draft_dtype_from_env() == "bfloat16":
             key += "-dbf16"
+        if kernel is None:
+            from sloserve.runtime.cpu_kernels import kernels_ready
+
+            kernel = kernels_ready()
+        if kernel:
+            key += "-kpa"
     return key
+
+
+def sglang_device_keys(device: str, draft_model: bool = True) -> list[str]:
+    """The keys an SGLang profile of this device is looked up by, best first: with this
+    attention path, then (where that is the C++ kernel) the keys of profiles measured on the
+    torch path before the kernel existed, which the online correction then scales
+    (profile_lookup.device_keys orders each set by instruction set)."""
+    def keys(kernel: bool | None) -> list[str]:
+        return device_keys(device, lambda dev, isa: sglang_device_key(dev, draft_model, isa,
+                                                                      kernel))
+    own = keys(None)
+    return own + [k for k in keys(False) if k not in own]
 
 
 def find_sglang_profile(target_path: str, draft_path: str | None, device: str,
@@ -141,7 +164,7 @@ def find_sglang_profile(target_path: str, draft_path: str | None, device: str,
     if explicit:
         return read_profile(explicit)
     draft = draft_path is not None
-    devices = device_keys(device, lambda dev, isa: sglang_device_key(dev, draft, isa))
+    devices = sglang_device_keys(device, draft)
     path = find_first(model_key(target_path, fingerprint(target_path)),
                       model_key(draft_path, fingerprint(draft_path)) if draft_path else "ngram",
                       devices, dtype)

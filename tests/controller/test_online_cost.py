@@ -446,3 +446,36 @@ def test_verified_tokens_learnt_cheap_at_batch_1_keep_the_profiles_price_at_batc
             step_time=0.1, draft_time=0.02, verify_time=0.07))
     assert StepTimer(policy._current_prices(16).cost, make_step(16)).token_time \
         == pytest.approx(b * policy.correction.theta_verify)
+
+
+def test_a_slow_first_step_after_a_long_pause_moves_the_scales_as_at_the_start():
+    """SGLang at batch 16 drafts nothing for hundreds of steps; the first drafting step at
+    batch 4 reads its requests' catch-up and runs cold (38 ms of drafting against ~12; its
+    verify path 15 ms against 3). With the priors faded to the ridge, that one step set
+    theta_draft to 4x and v to 7x (2026-12-05); as sure of the profile as at the start, the
+    fit moves about as far as one such step moves a fresh fit (here 1.27 against 1.11: its
+    feature, 3x the typical drafting, counts for more against the typical square; the
+    ridge alone gave 1.91)."""
+    def run(pause: int) -> StepCostCorrection:
+        c = StepCostCorrection(verify_fixed=0.003)
+        for i in range(300):  # drafting and verifying at the profile's prices
+            k = i % 3 != 0
+            c.observe(0.05 + (0.01 if k else 0.0), 0.012 if k else 0.0,
+                      0.063 + (0.025 if k else 0.0), 0.012 if k else None,
+                      measured_target=0.05 + (0.013 if k else 0.0),
+                      verify_part=0.01 if k else None)
+        for _ in range(pause):  # plain steps only, as profiled
+            c.observe(0.05, 0.0, 0.051, measured_target=0.05)
+        # the slow first step: drafting 3x (its catch-up priced at 0.02), v 5x
+        c.observe(0.06, 0.02, 0.06 + 0.015 + 0.06, 0.06, measured_target=0.05 + 0.01 + 0.015,
+                  verify_part=0.01)
+        return c
+
+    fresh = StepCostCorrection(verify_fixed=0.003)
+    fresh.observe(0.06, 0.02, 0.06 + 0.015 + 0.06, 0.06, measured_target=0.05 + 0.01 + 0.015,
+                  verify_part=0.01)
+    after = run(500)
+    assert fresh.theta_draft < after.theta_draft < 1.3
+    assert after.verify_fixed <= fresh.verify_fixed * 1.1 and after.verify_fixed < 0.0045
+    busy = run(0)  # right after steady evidence the step moves the fit even less
+    assert busy.theta_draft < 1.1 and busy.verify_fixed < 0.0035

@@ -159,6 +159,28 @@ def test_cpu_profile_keys_name_the_instruction_set(monkeypatch, flags, tier):
                       [settings.sglang_device_key("cpu", True, isa=False)])
 
 
+def test_sglang_profile_keys_name_the_cpu_attention_path(monkeypatch):
+    """An SGLang profile measured with the C++ paged attention is keyed "-kpa" and found
+    first; without one the profiles measured on the torch path before are found (their
+    keys, as before), and with the kernel off nothing asks for a "-kpa" profile."""
+    from sloserve.runtime import cpu_kernels
+    from sloserve.sglang_ext import settings
+
+    _cpu(monkeypatch, "fpu avx2 avx512f")
+    monkeypatch.setattr(cpu_kernels, "kernels_ready", lambda: True)
+    on = settings.sglang_device_keys("cpu")
+    torch_path = [settings.sglang_device_key("cpu", kernel=False),
+                  settings.sglang_device_key("cpu", isa=False, kernel=False)]
+    assert on[:2] == [k + "-kpa" for k in torch_path] and on[2:] == torch_path
+    assert settings.sglang_device_key("cpu") == on[0]
+    monkeypatch.setattr(cpu_kernels, "kernels_ready", lambda: False)
+    assert settings.sglang_device_keys("cpu") == torch_path
+    monkeypatch.undo()  # the real check: the switch alone turns the suffix off
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
+    assert not cpu_kernels.kernels_ready()
+    assert not settings.sglang_device_key("cpu").endswith("-kpa")
+
+
 def test_profile_lookup_takes_this_instruction_sets_profile_never_anothers(tmp_path, monkeypatch):
     monkeypatch.setenv("SLOSERVE_CACHE", str(tmp_path))
     base = make_profile()
