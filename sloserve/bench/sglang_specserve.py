@@ -563,13 +563,29 @@ def step_breakdown(path: Path, start: int) -> dict:
     parts["other"] = parts["step"] - sum(parts[k] for k in keys)
     rounds = [r["k"] for r in rows if r["k"]]
     drafting = [r for r in rows if r["k"]]
+    plain = [r for r in rows if not r["k"]]
     return {**{f"{k}_ms": round(v, 3) for k, v in parts.items()}, "steps": len(rows),
+            # milliseconds a token made, over the steps that drafted nothing, those that
+            # drafted, and all: within one server (one start's speed), what speculation
+            # saved there (`in_server_gain`), which comparing servers across starts cannot
+            # tell apart from their starts' speeds (BENCHMARKS.md, 2026-12-05)
+            "plain_token_ms": _token_ms(plain), "spec_token_ms": _token_ms(drafting),
+            "token_ms": _token_ms(rows),
+            "in_server_gain": (round(_token_ms(plain) / _token_ms(rows) - 1.0, 4)
+                               if plain and drafting else None),
             "batch": round(mean("batch"), 2), "rounds": round(mean("k"), 3),
             "verified": round(mean("verified"), 3),
             # per draft round, over the steps that drafted
             "draft_round_ms": round(1e3 * statistics.fmean(r["draft"] / r["k"]
                                                            for r in drafting), 3)
             if rounds else None}
+
+
+def _token_ms(rows: list[dict]) -> float | None:
+    """Milliseconds a token over these timings lines: their step seconds over the tokens
+    they made (a token per request and step, plus each accepted draft token)."""
+    made = sum(int(r["batch"]) + int(r.get("accepted", 0)) for r in rows)
+    return round(1e3 * sum(float(r["step"]) for r in rows) / made, 3) if made else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -704,12 +720,17 @@ def main(argv: list[str] | None = None) -> int:
                        if all(x.get(k) is not None for x in b)}
                 brows.append([c, s, *(f"{med.get(k, float('nan')):.2f}" for k in (
                     "batch", "rounds", "verified", "step_ms", "draft_ms", "draft_round_ms",
-                    "catch_up_ms", "extend_ms", "verify_ms", "policy_ms", "other_ms"))])
+                    "catch_up_ms", "extend_ms", "verify_ms", "policy_ms", "other_ms",
+                    "plain_token_ms", "token_ms")),
+                    " ".join(f"{x['in_server_gain']:+.1%}" if x.get("in_server_gain")
+                             is not None else "-" for x in b)])
         if brows:
-            print("\nSPECSERVE per decode step (medians over repeats of the means):")
+            print("\nSPECSERVE per decode step (medians over repeats of the means; ms/token "
+                  "k = 0: over its steps that drafted nothing; in-server gain: that over all "
+                  "its steps' ms/token, each repeat):")
             print_table(["C", "system", "batch", "rounds", "verified", "step ms", "draft ms",
                          "ms/round", "catch-up ms", "extend ms", "verify ms", "policy ms",
-                         "other ms"],
+                         "other ms", "ms/token k = 0", "ms/token", "in-server gain"],
                         brows)
     mine = [s for s in systems if ours(s)]
     for c, metric in ((c, metric) for metric in ("tok_s", "steady_tok_s") for c in levels):

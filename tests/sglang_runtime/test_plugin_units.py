@@ -493,6 +493,26 @@ def test_a_drafting_step_learns_its_rounds_without_the_catch_up_rows(tmp_path):
     assert 0.0 < 300 * price < 0.05  # the middle case is priced, not capped
 
 
+def test_step_breakdown_prices_a_token_within_the_server(tmp_path):
+    """The bench's per-cell step log summary: ms a token over the steps that drafted
+    nothing, those that drafted and all, and what speculation saved in that server."""
+    from sloserve.bench.sglang_specserve import step_breakdown
+
+    def line(k: int, step: float, accepted: int) -> str:
+        return json.dumps({"batch": 4, "k": k, "step": step, "accepted": accepted,
+                           "verified": 4 * k, "draft": 0.01 * k, "verify": step - 0.01 * k})
+
+    log = tmp_path / "t.jsonl"
+    log.write_text("\n".join([line(0, 0.05, 0)] * 3 + [line(1, 0.07, 2)] * 2) + "\n")
+    b = step_breakdown(log, 0)
+    assert b["plain_token_ms"] == pytest.approx(12.5)  # 0.15 s / 12 tokens
+    assert b["spec_token_ms"] == pytest.approx(140 / 12, abs=1e-3)  # 0.14 s / 12 tokens
+    assert b["token_ms"] == pytest.approx(290 / 24, abs=1e-3)
+    assert b["in_server_gain"] == pytest.approx(12.5 / (290 / 24) - 1.0, abs=1e-4)
+    log.write_text("\n".join([line(0, 0.05, 0)] * 3) + "\n")  # nothing drafted: no gain
+    assert step_breakdown(log, 0)["in_server_gain"] is None
+
+
 def test_the_catch_up_the_plan_priced_stays_in_the_steps_drafting(tmp_path):
     """With each request's real lag (AlignedDraft.lags) the plan prices a catch-up in full
     until the request's credit pays for it (SpecServeOptions.lag_credit): only rows past
