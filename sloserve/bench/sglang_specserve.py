@@ -563,16 +563,16 @@ def step_breakdown(path: Path, start: int) -> dict:
     parts["other"] = parts["step"] - sum(parts[k] for k in keys)
     rounds = [r["k"] for r in rows if r["k"]]
     drafting = [r for r in rows if r["k"]]
-    plain = [r for r in rows if not r["k"]]
+    plain_ms, all_ms = _token_ms([r for r in rows if not r["k"]]), _token_ms(rows)
     return {**{f"{k}_ms": round(v, 3) for k, v in parts.items()}, "steps": len(rows),
             # milliseconds a token made, over the steps that drafted nothing, those that
             # drafted, and all: within one server (one start's speed), what speculation
             # saved there (`in_server_gain`), which comparing servers across starts cannot
             # tell apart from their starts' speeds (BENCHMARKS.md, 2026-12-05)
-            "plain_token_ms": _token_ms(plain), "spec_token_ms": _token_ms(drafting),
-            "token_ms": _token_ms(rows),
-            "in_server_gain": (round(_token_ms(plain) / _token_ms(rows) - 1.0, 4)
-                               if plain and drafting else None),
+            "plain_token_ms": plain_ms, "spec_token_ms": _token_ms(drafting),
+            "token_ms": all_ms,
+            "in_server_gain": (round(plain_ms / all_ms - 1.0, 4)
+                               if plain_ms and all_ms and drafting else None),
             "batch": round(mean("batch"), 2), "rounds": round(mean("k"), 3),
             "verified": round(mean("verified"), 3),
             # per draft round, over the steps that drafted
