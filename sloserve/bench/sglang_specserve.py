@@ -561,7 +561,6 @@ def step_breakdown(path: Path, start: int) -> dict:
     keys = ("draft", "catch_up", "extend", "verify", "policy")
     parts = {k: 1e3 * mean(k) for k in ("step", *keys)}
     parts["other"] = parts["step"] - sum(parts[k] for k in keys)
-    rounds = [r["k"] for r in rows if r["k"]]
     drafting = [r for r in rows if r["k"]]
     plain_ms, all_ms = _token_ms([r for r in rows if not r["k"]]), _token_ms(rows)
     return {**{f"{k}_ms": round(v, 3) for k, v in parts.items()}, "steps": len(rows),
@@ -578,7 +577,7 @@ def step_breakdown(path: Path, start: int) -> dict:
             # per draft round, over the steps that drafted
             "draft_round_ms": round(1e3 * statistics.fmean(r["draft"] / r["k"]
                                                            for r in drafting), 3)
-            if rounds else None}
+            if drafting else None}
 
 
 def _token_ms(rows: list[dict]) -> float | None:

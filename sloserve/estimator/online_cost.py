@@ -50,11 +50,10 @@ path's price) never weigh less in all than at the start: their prior is the fadi
 what their faded evidence falls short of `prior_weight` by, whichever is more. While steps
 carry them the prior fades as before; over a pause the evidence fades, the prior takes its
 place, and a scale that returned to the profile is as sure of it as at the start, not held
-by the ridge alone. With the ridge
-alone, the first drafting step after 500 steps at batch 16 that drafted nothing (its
-draft reading 88 rows of catch-up, 38 ms against ~12) set theta_draft to its bound, 4x,
-and the verify path's price v to 7x, and drafting at batch 4 stayed off for the next
-hundreds of steps (SGLang, the smollm2 pair, 2026-12-05). A sample more
+by the ridge alone. With the ridge alone, the first drafting step after 500 steps at batch
+16 that drafted nothing (its draft reading 88 rows of catch-up, 38 ms against ~12) set
+theta_draft to its bound, 4x, and the verify path's price v to 7x, and drafting at batch 4
+stayed off for the next hundreds of steps (SGLang, the smollm2 pair, 2026-12-05). A sample more
 than `clip` times off the current prediction is clipped to that ratio (a GC pause or a
 preempted step must not swing the fit), and every scale stays in
 [1 / max_scale, max_scale] (v: within max_scale of the profile's, or up to a plain forward;

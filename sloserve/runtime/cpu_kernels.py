@@ -46,6 +46,7 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
+@functools.cache  # the sources, torch and the CPU do not change within a process
 def build_name() -> str:
     h = hashlib.sha256()
     for p in SOURCES + HEADERS:
