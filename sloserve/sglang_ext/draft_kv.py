@@ -67,8 +67,14 @@ class DraftKVBook:
         n = window.shape[1]
         self.decoded(r, p, window)
         self.slot_ok[self.req_to_token[r, p + n - 1].long()] = False
+        stale = self.stale_from
         for row, pos in zip(rows, seq_lens):
-            self.stale_from.setdefault(row, pos + n - 1)
+            # a mark at or past this window's start is superseded: the step's rounds (or
+            # its round 1 decode) wrote L..L + n - 2, and a mark past the sequence (drafts
+            # rejected last step) would otherwise hide L + n - 1 after a step without
+            # drafting, leaving a rejected draft's KV in the context for good
+            if stale.get(row, pos) >= pos:
+                stale[row] = pos + n - 1
 
     def unread(self, slots: torch.Tensor) -> None:
         """The target wrote these slots (a prefill chunk) and the draft did not read them."""

@@ -98,13 +98,13 @@ def test_the_layout_switch_and_the_profile_key_follow_the_environment(monkeypatc
     assert layout_from_env() in ("packed", "column")
     monkeypatch.setenv(LAYOUT_ENV, "column")
     assert layout_from_env(vendor="AuthenticAMD", packable=True) == "column"
-    assert settings.sglang_device_key("cpu").endswith("-wcol")
+    assert settings.sglang_device_key("cpu", kernel=False).endswith("-wcol")
     monkeypatch.setenv(LAYOUT_ENV, " Packed")
     assert layout_from_env(vendor="GenuineIntel") == "packed"
-    assert settings.sglang_device_key("cpu").endswith("-wpak")
+    assert settings.sglang_device_key("cpu", kernel=False).endswith("-wpak")
     monkeypatch.setenv(LAYOUT_ENV, "ROW")
     assert layout_from_env() == "row"
-    row_key = settings.sglang_device_key("cpu")
+    row_key = settings.sglang_device_key("cpu", kernel=False)
     assert row_key.startswith("sglang-cpu-") and not row_key.endswith("-wcol")
     monkeypatch.setenv(LAYOUT_ENV, "transposed")
     with pytest.raises(ValueError, match=LAYOUT_ENV):
@@ -165,12 +165,12 @@ def test_the_draft_dtype_switch_and_its_profile_key(monkeypatch):
     assert draft_dtype_from_env(bf16_hardware=True) == "bfloat16"  # auto: the CPU decides
     assert draft_dtype_from_env(bf16_hardware=False) == "float32"
     monkeypatch.setenv(DRAFT_DTYPE_ENV, "bfloat16")
-    assert settings.sglang_device_key("cpu").endswith("-wcol-dbf16")
+    assert settings.sglang_device_key("cpu", kernel=False).endswith("-wcol-dbf16")
     # the n-gram drafter runs no draft forward: its profiles keep the key without it
-    assert settings.sglang_device_key("cpu", draft_model=False).endswith("-wcol")
+    assert settings.sglang_device_key("cpu", draft_model=False, kernel=False).endswith("-wcol")
     monkeypatch.setenv(DRAFT_DTYPE_ENV, " Float32 ")
     assert draft_dtype_from_env(bf16_hardware=True) == "float32"
-    assert settings.sglang_device_key("cpu").endswith("-wcol")
+    assert settings.sglang_device_key("cpu", kernel=False).endswith("-wcol")
     monkeypatch.setenv(DRAFT_DTYPE_ENV, "fp8")
     with pytest.raises(ValueError, match=DRAFT_DTYPE_ENV):
         draft_dtype_from_env()

@@ -162,3 +162,23 @@ def test_a_request_that_does_not_draft_keeps_its_lag():
     book.caught_up([0])
     assert book.drafters_catch_up([0, 1], [3, 2], [True, False]) == (None, [1])
     assert book.lags([0, 1], [3, 2]) == [0, 2]
+
+
+def test_a_step_without_drafting_after_rejected_drafts_reads_its_bonus_later():
+    """Drafts rejected at a step leave the book's mark past the sequence (row 1 below: the
+    window reached 4, its sequence ends at 3). A step without drafting then commits a bonus
+    at 3, where the draft's KV still holds the rejected d1: the next catch-up must read it
+    (with the mark left at 4 it read only the new bonus, and the draft kept the rejected
+    token in its context for the rest of the request: a CI run's confidences differed from
+    the draft model's by 2% at the end of one request)."""
+    book = _book()
+    _prefill(book, 0, [5, 6, 7])
+    _prefill(book, 1, [8, 9])
+    _first_round(book, [0, 1], [3, 2], [10, 20])
+    book.verified([0, 1], [3, 2], torch.tensor([[10, 11, 12], [20, 21, 22]]))
+    # row 0 accepted both (L 3 -> 6), row 1 none (L 2 -> 3); then a step drafts nothing
+    _skipped(book, [0, 1], [6, 3], torch.tensor([13, 23]))
+    starts, tokens = _first_round(book, [0, 1], [7, 4], [14, 24])
+    assert starts == [5, 3]
+    assert tokens == [12, 13, 14, 23, 24]
+    assert book.lags([0, 1], [8, 5]) == [0, 0]
