@@ -25,6 +25,9 @@ class RequestTable:
         # [capacity] a third, likewise 0 from allocation (SpecServe: the request's own draft
         # tokens its value has absorbed)
         self.seen = np.zeros(capacity)
+        # [capacity] a fourth, set to `fill` at allocation like `values` (SpecServe: the
+        # prediction a first draft round is planned at)
+        self.first = np.zeros(capacity)
         self._index: dict[str, int] = {}
         self._free: list[int] = []
         self._next = 0
@@ -70,7 +73,9 @@ class RequestTable:
                 self.fresh = np.concatenate([self.fresh, np.zeros(self.fresh.size, bool)])
                 self.credit = np.concatenate([self.credit, np.zeros(self.credit.size)])
                 self.seen = np.concatenate([self.seen, np.zeros(self.seen.size)])
+                self.first = np.concatenate([self.first, np.zeros(self.first.size)])
         self.values[slot] = fill
+        self.first[slot] = fill
         self.credit[slot] = 0.0
         self.seen[slot] = 0.0
         self.fresh[slot] = True

@@ -496,3 +496,32 @@ def test_specserve_newcomers_of_a_weak_draft_are_planned_at_its_pooled_acceptanc
     assert g.online and g.pooled is not None and g.pooled < 0.15 and g.top > 2 * g.pooled
     assert sum(first_rounds[:2]) > 0  # the first newcomers are measured
     assert sum(first_rounds[-6:]) == 0  # later ones are not: 0.07 does not pay a round
+
+
+@pytest.mark.parametrize("batch,small_batch", [(1, 8), (2, 0)])  # Python floats, numpy
+def test_specserve_first_rounds_planned_at_first_tokens_not_at_where_chains_stopped(
+        batch, small_batch):
+    """Every request's confidences are i.i.d. around 0.6, so a step's first draft token has
+    the same expected g(c) as any. A chain stops on a low token, and the running prediction
+    pred (an EMA over every draft token) ends each step having absorbed it: planned at
+    pred (first_estimate off), first rounds were planned ~5 points below what their tokens
+    turned out to be. The first-token estimate (history.first) is planned within a point."""
+    gap = {}
+    for on in (True, False):
+        rng = np.random.default_rng(23)
+        work = SyntheticWorkload(rng, concentration=3.0)
+        policy = SpecServePolicy(COST, 8, first_estimate=on, small_batch=small_batch)
+        step = make_step(batch)
+        mean = np.full(batch, 0.6)
+        planned, got = [], []
+        for i in range(300):
+            first = np.asarray(policy.plan(step)._first_predictions(), dtype=float).copy()
+            o = drive_step(policy, step, work, mean)  # (plans the same step again, alike)
+            if i >= 20:  # past the newcomers' first rounds
+                d = o.drafted > 0
+                planned += first[d].tolist()
+                got += policy.g(o.confidences[d, 0]).tolist()
+        assert len(planned) > 200
+        gap[on] = float(np.mean(got) - np.mean(planned))
+    assert abs(gap[True]) < 0.01, gap
+    assert gap[False] > 0.03, gap

@@ -71,6 +71,11 @@ class SpecServeOptions:
     # the distilled draft at C = 1: 74% of steps drafted nothing where a draft token was
     # accepted at 0.54 on average; BENCHMARKS.md 2026-12-04)
     pause_relax: float = 0.05
+    # a first draft round is planned at the request's own estimate of a step's first draft
+    # token (the g(c) of its steps' first tokens, policy.py `_learn_first`). Off: at pred,
+    # its EMA over every draft token, which ends each step on the token its chain stopped
+    # on (a low one, by the stopping rule) and so under-predicts the next first token
+    first_estimate: bool = True
     correct_cost: bool = True  # correct the profile online from measured step times
     score_prefill: bool = False  # True: the paper's E over the whole step, prefill included
     small_batch: int = SMALL_BATCH  # at most this many requests: plans on Python floats

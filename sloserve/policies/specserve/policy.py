@@ -115,11 +115,16 @@ class SpecServePolicy(SpecPolicy):
         # A weak draft whose few most confident tokens are accepted (top 0.25, pooled 0.07:
         # the weak draft on the AVX-512 EPYC) had every newcomer draft a round that paid
         # only at the top (2026-12-04, BENCHMARKS.md); a pair whose pooled acceptance is
-        # above the configured prior keeps the floor there
-        first = None
+        # above the configured prior keeps the floor there.
+        # A first round is planned at the request's own estimate of a first draft token's
+        # acceptance (history.first, learnt in `_learn_first`), not at `pred`: pred ends a
+        # step having absorbed the token its chain stopped on, which is a low one by the
+        # stopping rule, so it under-predicts the next step's first token
+        first = self.history.first[slots] if self.options.first_estimate else None
         fresh = self.history.fresh[slots]
         if fresh.any():
-            first = pred.copy()
+            if first is None:
+                first = pred.copy()
             g = self.g
             top = g.top if g.online else 1.0
             floor = min(self.options.prior, top)
@@ -152,7 +157,9 @@ class SpecServePolicy(SpecPolicy):
         token (sec. 5, lag_credit)."""
         timer, d = plan.timer, plan.cost.draft
         B = timer.batch_size
-        pred = np.asarray(plan.predictions(), dtype=np.float64)  # [B]
+        # [B] what its next draft token, a first round's, is predicted to be accepted at
+        pred = np.asarray(plan._first_predictions() if self.options.first_estimate
+                          else plan.predictions(), dtype=np.float64)
         per_token = (timer.plain - timer.prefill) / B
         value = pred * per_token - (d.a * timer.n + d.b + timer.token_time)  # [B] seconds
         credit = self.history.credit
@@ -191,6 +198,7 @@ class SpecServePolicy(SpecPolicy):
                 self._earn_credit(plan, outcome.drafted)
             # (a request released during the step writes a free slot: refilled on reuse)
             slots = plan.slots
+            self._learn_first(plan, outcome)
             self.history.values[slots] = plan.predictions()
             self.history.seen[slots] = plan.observed()
             fresh = self.history.fresh
@@ -204,6 +212,27 @@ class SpecServePolicy(SpecPolicy):
             elif seen.any():
                 mean = float(np.asarray(plan.predictions())[seen].mean())
                 self.prior += PRIOR_EMA * (mean - self.prior)
+
+    def _learn_first(self, plan: SpecServePlan, outcome: VerifyOutcome) -> None:
+        """Update the requests' first-round predictions (history.first) from this step.
+        Steered rounds: each request that drafted a first token folds in that token's g(c)
+        (the plan's P[0]), with pred's weights (max(ema, 1 / (seen + 2)), seen counted
+        before this step). The first token of a step is drafted on the prediction before
+        its confidence is seen, so its g(c) is a sample the stopping rule did not select,
+        unlike the token a chain stopped on. Uniform steps (nothing steered, outcomes
+        counted by absorb_counts from `first`): the counted prediction, as pred."""
+        slots, first = plan.slots, self.history.first
+        if plan.j_done == 0:
+            if np.count_nonzero(outcome.verified):
+                first[slots] = plan.predictions()
+            return
+        g1 = plan.P[0]  # [B] g(c) of the step's first draft token, +inf where not drafted
+        drafted = np.isfinite(g1)
+        if not drafted.any():
+            return
+        weight = np.maximum(self.options.ema, 1.0 / (self.history.seen[slots] + 2.0))
+        cur = first[slots]
+        first[slots] = np.where(drafted, cur + weight * (np.where(drafted, g1, cur) - cur), cur)
 
     def _pooled_anchor(self) -> float | None:
         """The pair's pooled acceptance (the map's accepted share of all its samples), None
@@ -225,8 +254,9 @@ class SpecServePolicy(SpecPolicy):
         anchor = self._pooled_anchor()
         if anchor is None:
             return
-        values, idx = self.history.values, slots[paused]
-        values[idx] += rate * (anchor - values[idx])
+        idx = slots[paused]
+        for values in (self.history.values, self.history.first):
+            values[idx] += rate * (anchor - values[idx])
 
     def release(self, request_id: str) -> None:
         self.history.release(request_id)
