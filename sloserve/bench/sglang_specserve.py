@@ -406,7 +406,7 @@ class Running:
 
     def __init__(self, system: str, python: str, target: str, draft: str, logs: Path,
                  port: int, k_max: int | None, timings: bool, start: int = 0,
-                 seconds: float | None = None) -> None:
+                 seconds: float | None = None, step_logs: bool = False) -> None:
         """start: which start of this system in the run (0: the first; a restart appends to
         the timings file and writes its own server log); seconds: each slice a timed loop
         of this long (`timed_loop`), else a counted one (`closed_loop`)."""
@@ -419,6 +419,11 @@ class Running:
             if start == 0:
                 self.timings_file.unlink(missing_ok=True)
             args += ["--spec-timings", str(self.timings_file.resolve())]
+        if step_logs and ours(system):  # the per-request plan's steps (diagnostics; slower)
+            steps = logs / f"{file_stem(system)}.steps.jsonl"
+            if start == 0:
+                steps.unlink(missing_ok=True)
+            args += ["--spec-step-log", str(steps.resolve())]
         log = f"{file_stem(system)}{f'.start{start + 1}' if start else ''}.log"
         self.server = Server(python, args, port, logs / log, extra_env=system_env(system))
         self.mark = 0  # the timings lines before the cell being measured
@@ -456,7 +461,7 @@ def run_systems(systems: list[str], python: str, target: str, draft: str,
                 levels: list[int], repeats: int, new_tokens: int, prompts: list[list[int]],
                 logs: Path, port: int, k_max: int | None = None, ignore_eos: bool = True,
                 timings: bool = False, interleave: bool = False, restart: bool = False,
-                slices: int = 1, seconds: float | None = None,
+                slices: int = 1, seconds: float | None = None, step_logs: bool = False,
                 on_repeat: Callable[[dict[str, dict[int, list[dict]]]], None] | None = None,
                 ) -> dict[str, dict[int, list[dict]]]:
     """{system: {concurrency: [one result per repeat]}}. One server at a time, its repeats
@@ -501,7 +506,7 @@ def run_systems(systems: list[str], python: str, target: str, draft: str,
                 for i, s in enumerate(group):
                     runs.append(Running(s, python, target, draft, logs, port + i, k_max,
                                         timings, start=block[0] if restart else 0,
-                                        seconds=seconds))
+                                        seconds=seconds, step_logs=step_logs))
                     runs[-1].server.wait()
                 for run in runs:
                     run.warm(prompts, levels, new_tokens, ignore_eos, t0)
@@ -607,6 +612,10 @@ def main(argv: list[str] | None = None) -> int:
                         "token (auto: when the target has a template)")
     p.add_argument("--timings", action="store_true",
                    help="SPECSERVE's per-step breakdown (the worker's timings lines)")
+    p.add_argument("--step-logs", action="store_true",
+                   help="SPECSERVE's per-request step log (--spec-step-log: each per-request "
+                        "step's first-round predictions, confidences and outcomes) in the "
+                        "logs folder; it slows the server, so for diagnostics")
     p.add_argument("--interleave", action="store_true",
                    help="start every system's server at once and measure each repeat and "
                         "level on all of them in turn (a drifting machine moves all alike)")
@@ -684,7 +693,8 @@ def main(argv: list[str] | None = None) -> int:
                           args.new_tokens, prompts, logs, args.port, args.k_max,
                           ignore_eos=not chat, timings=args.timings,
                           interleave=args.interleave, restart=args.restart,
-                          slices=args.slices, seconds=args.seconds, on_repeat=save)
+                          slices=args.slices, seconds=args.seconds,
+                          step_logs=args.step_logs, on_repeat=save)
     rows, summary, steady = [], {}, {}
     for c in levels:
         med = {s: statistics.median(r["tok_s"] for r in results[s][c]) for s in systems}
