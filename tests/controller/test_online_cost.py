@@ -182,6 +182,34 @@ def test_drafting_that_does_not_pay_earns_no_credit():
     assert not policy.history.credit.any()
 
 
+def test_a_batch_where_drafting_pays_only_without_its_fixed_costs_earns_no_credit():
+    """The credit is what a request's next draft token would have saved, its share of the
+    step's fixed draft and verify costs included (at least 1 / B of them). The real pair
+    inside SGLang at batch 16 (a draft forward's 6.4 ms and the verify path's 1.4 ms, 4.8
+    ms a plain token, a first token accepted at ~0.45): a token saves ~0.25 ms less its
+    draft row and verify row, less than its ~0.5 ms share; without the share the batch
+    earned credit until every request drafted with its whole catch-up (up to 1,700 rows,
+    a 580 ms step against 78; 2026-12-05). Where drafting pays with its fixed costs
+    (batch 4) the credit still grows."""
+    from sloserve.estimator.cost_model import CostModel, ForwardCost
+
+    # the -kpa profile's fit (2026-12-05), contexts of ~128 tokens a request as at C = 16
+    real = CostModel(ForwardCost(3.1e-6, 1.76e-3, 48e-3, q0=4.5),
+                     ForwardCost(5.5e-7, 1.45e-4, 6.4e-3), overhead=0.9e-3, verify_fixed=1.4e-3)
+
+    def paused(B: int, steps: int) -> SpecServePolicy:
+        policy = SpecServePolicy(real, 4, prior=0.45, correct_cost=False)
+        for i in range(steps):
+            plan = policy.plan(make_step(B, context=128, lag=np.full(B, 100 + i)))
+            assert not plan.drafting.any()
+            policy.observe(plan, _plain_outcome(B, plan.timer.plain))
+        return policy
+
+    assert not paused(16, 300).history.credit.any()
+    credit = paused(4, 2).history.credit
+    assert np.count_nonzero(credit > 0.0) == 4
+
+
 def test_the_catch_up_is_priced_less_its_credit_under_a_binding_slo_too():
     """Under a binding SLO no token of the catch-up is free (no lag_cap), but the credit
     counts as without one."""

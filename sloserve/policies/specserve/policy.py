@@ -154,14 +154,21 @@ class SpecServePolicy(SpecPolicy):
         credit restarts at 0); one that did not adds what its next draft token would have
         saved, had its catch-up been paid: its predicted acceptance times the seconds a
         token of plain decoding takes here, less the draft and verify seconds of that
-        token (sec. 5, lag_credit)."""
+        token and its share of the step's fixed draft and verify seconds (sec. 5,
+        lag_credit)."""
         timer, d = plan.timer, plan.cost.draft
         B = timer.batch_size
         # [B] what its next draft token, a first round's, is predicted to be accepted at
         pred = np.asarray(plan._first_predictions() if self.options.first_estimate
                           else plan.predictions(), dtype=np.float64)
         per_token = (timer.plain - timer.prefill) / B
-        value = pred * per_token - (d.a * timer.n + d.b + timer.token_time)  # [B] seconds
+        # a draft token also needs a draft forward and the verify path, fixed costs its
+        # step's drafters share: at least 1 / B of them each. Without that share, a batch
+        # of 16 where drafting hardly pays still earned ~0.25 ms a request a step, and once
+        # the credit covered the lags every request drafted with its whole catch-up (up to
+        # 1,700 rows, a 580 ms step against 78; SGLang, distilled pair, 2026-12-05)
+        fixed = (d.c + timer.verify_fixed) / B
+        value = pred * per_token - (d.a * timer.n + d.b + timer.token_time + fixed)  # [B] s
         credit = self.history.credit
         slots = plan.slots
         credit[slots] = np.where(drafted > 0, 0.0, credit[slots] + np.maximum(value, 0.0))
