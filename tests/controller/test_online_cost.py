@@ -182,6 +182,23 @@ def test_drafting_that_does_not_pay_earns_no_credit():
     assert not policy.history.credit.any()
 
 
+def test_the_credit_counts_savings_as_the_plan_does_under_a_start_margin():
+    """A pair the plan drafts on only because its start margin is below 0 (it drafts where E
+    is down to 1 + start_margin of plain decoding's): a token's saving is counted with the
+    same margin, so a request paused with a long catch-up owed resumes. Counted at no margin
+    it earned nothing, and a request that paused once, or owed its prompt, never drafted
+    again (the tiny pair's SGLang tests with start_margin=-0.5 on the AMX Xeon, 2026-12-05)."""
+    B = 4
+    steady = make_step(B, context=512, lag=np.ones(B))
+    assert not SpecServePolicy(COST, 4, prior=0.2).plan(steady).drafting.any()
+    assert SpecServePolicy(COST, 4, prior=0.2, start_margin=-0.5).plan(steady).drafting.all()
+    policy = SpecServePolicy(COST, 4, prior=0.2, start_margin=-0.5)
+    # 1,500 tokens at the draft's b are 0.15 s a request; a step forgoes ~(2.4 - 1) x 7.3 ms
+    # less the token's draft, verify and fixed share (~1.6 ms): ~11 steps
+    waited = _steps_until_drafting(policy, B, 1500, 200)
+    assert 3 <= waited <= 40, waited
+
+
 def test_a_batch_where_drafting_pays_only_without_its_fixed_costs_earns_no_credit():
     """The credit is what a request's next draft token would have saved, its share of the
     step's fixed draft and verify costs included (at least 1 / B of them). The real pair

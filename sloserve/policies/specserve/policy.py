@@ -152,10 +152,10 @@ class SpecServePolicy(SpecPolicy):
     def _earn_credit(self, plan: SpecServePlan, drafted: np.ndarray) -> None:
         """After a step with catch-up owed: a request that drafted has paid its catch-up (its
         credit restarts at 0); one that did not adds what its next draft token would have
-        saved, had its catch-up been paid: its predicted acceptance times the seconds a
-        token of plain decoding takes here, less the draft and verify seconds of that
-        token and its share of the step's fixed draft and verify seconds (sec. 5,
-        lag_credit)."""
+        saved, had its catch-up been paid: its predicted acceptance (weighed by the start
+        margin, as the plan weighs it) times the seconds a token of plain decoding takes
+        here, less the draft and verify seconds of that token and its share of the step's
+        fixed draft and verify seconds (sec. 5, lag_credit)."""
         timer, d = plan.timer, plan.cost.draft
         B = timer.batch_size
         # [B] what its next draft token, a first round's, is predicted to be accepted at
@@ -168,7 +168,14 @@ class SpecServePolicy(SpecPolicy):
         # the credit covered the lags every request drafted with its whole catch-up (up to
         # 1,700 rows, a 580 ms step against 78; SGLang, distilled pair, 2026-12-05)
         fixed = (d.c + timer.verify_fixed) / B
-        value = pred * per_token - (d.a * timer.n + d.b + timer.token_time + fixed)  # [B] s
+        # saved as the plan counts it: its first round drafts where E beats plain decoding's
+        # times (1 + start_margin), so a token saves (1 + pred) / (1 + start_margin) - 1
+        # plain tokens' seconds (pred at no margin). Counted without the margin, a pair the
+        # plan drafts on only below plain decoding's E (a margin < 0) earned no credit, and
+        # a request that paused once, or owed its prompt, never drafted again (the tiny
+        # pair's SGLang tests on the AMX Xeon, 2026-12-05)
+        saved = (1.0 + pred) / (1.0 + self.options.start_margin) - 1.0  # [B] tokens
+        value = saved * per_token - (d.a * timer.n + d.b + timer.token_time + fixed)  # [B] s
         credit = self.history.credit
         slots = plan.slots
         credit[slots] = np.where(drafted > 0, 0.0, credit[slots] + np.maximum(value, 0.0))
