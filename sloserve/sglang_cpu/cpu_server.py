@@ -153,6 +153,17 @@ def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
+    # the group's other processes die after the launcher is reaped, and the launcher's
+    # listening socket, inherited by SGLang's children, stays bound until the last is gone:
+    # a server restarted on the same port at once failed to bind it (the bench's --restart,
+    # 2026-12-05, with the machine swapping)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
 
 
 def generate(cfg: CPUServerConfig, payload: dict, timeout: float = 600.0) -> dict | list:
