@@ -156,7 +156,7 @@ class StepController:
         out = SGLangStep(session, prepared, int(step.context_lens.sum()), time.perf_counter(),
                          index=self._steps_begun)
         self._steps_begun += 1
-        first = getattr(session.plan, "_first_predictions", None)  # SpecServe plans
+        first = getattr(session.plan, "first_predictions", None)  # SpecServe plans
         if self.step_log_path and first is not None:
             out.first_pred = np.round(np.asarray(first(), dtype=np.float64), 4).tolist()
         return out

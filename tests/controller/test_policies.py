@@ -515,7 +515,7 @@ def test_specserve_first_rounds_planned_at_first_tokens_not_at_where_chains_stop
         mean = np.full(batch, 0.6)
         planned, got = [], []
         for i in range(300):
-            first = np.asarray(policy.plan(step)._first_predictions(), dtype=float).copy()
+            first = np.asarray(policy.plan(step).first_predictions(), dtype=float).copy()
             o = drive_step(policy, step, work, mean)  # (plans the same step again, alike)
             if i >= 20:  # past the newcomers' first rounds
                 d = o.drafted > 0

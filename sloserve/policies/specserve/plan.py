@@ -169,7 +169,7 @@ class SpecServePlan(SpecPlan):
         if B == 0 or k_max <= 0:
             return 0
         times = self.timer.uniform(k_max)  # [k_max + 1]
-        pred = np.asarray(self._first_predictions(), dtype=np.float64)  # [B]
+        pred = np.asarray(self.first_predictions(), dtype=np.float64)  # [B]
         chain = np.ones(B)
         tokens = float(B)
         best_k, best_tokens = 0, tokens
@@ -195,7 +195,7 @@ class SpecServePlan(SpecPlan):
         acceptance (1 accepted, 0 rejected), folded into the request's EMA in order (weight
         COUNT_EMA), from the prediction its rounds were planned at (`first`: 0/1 outcomes
         are too noisy to be weighed against the running prior as confidences are)."""
-        pred, first, ema = self.predictions(), self._first_predictions(), COUNT_EMA
+        pred, first, ema = self.predictions(), self.first_predictions(), COUNT_EMA
         for r, (k, a) in enumerate(zip(np.asarray(verified).tolist(),
                                        np.asarray(accepted).tolist())):
             x = first[r]
@@ -208,7 +208,7 @@ class SpecServePlan(SpecPlan):
         """[B] the requests' predictions after this step (the policy keeps them)."""
         return self.pred
 
-    def _first_predictions(self) -> np.ndarray | list[float]:
+    def first_predictions(self) -> np.ndarray | list[float]:
         """[B] the predictions a first round is planned at (`first`)."""
         return self.first
 

@@ -159,7 +159,7 @@ class SpecServePolicy(SpecPolicy):
         timer, d = plan.timer, plan.cost.draft
         B = timer.batch_size
         # [B] what its next draft token, a first round's, is predicted to be accepted at
-        pred = np.asarray(plan._first_predictions() if self.options.first_estimate
+        pred = np.asarray(plan.first_predictions() if self.options.first_estimate
                           else plan.predictions(), dtype=np.float64)
         per_token = (timer.plain - timer.prefill) / B
         # a draft token also needs a draft forward and the verify path, fixed costs its

@@ -46,7 +46,7 @@ class SmallSpecServePlan(SpecServePlan):
     def predictions(self) -> list[float]:
         return self.pred_l
 
-    def _first_predictions(self) -> list[float]:
+    def first_predictions(self) -> list[float]:
         return self.first_l
 
     def observed(self) -> list[float]:
