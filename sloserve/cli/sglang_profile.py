@@ -15,7 +15,8 @@ docs/design.md sec. 2 to what SGLang's forwards took:
             by a fixed amount: `verify_fixed`, the plain steps' median shortfall from the
             fit, taken out of c (so c prices a decode forward, c + verify_fixed a verify)
     draft   from the draft forwards (k forwards of B tokens each, their mean context; the
-            first also reads the rows the draft had not read, counted in)
+            first also reads the rows the draft had not read, counted in), less the
+            drafting step's setup paid once (`first`: fit.fit_step_cost)
     overhead  the plain steps' seconds outside the verify forward (they run no draft
             forward: draft_chain.py)
     verify_token  the price of a verified draft token at each batch size the sweep ran
@@ -58,7 +59,7 @@ from sloserve.estimator.profile_file import (
     write_profile,
 )
 from sloserve.estimator.profile_lookup import default_dirs, fingerprint
-from sloserve.profiler.fit import fit_forward_cost
+from sloserve.profiler.fit import fit_forward_cost, fit_step_cost
 from sloserve.sglang_cpu.cpu_server import wait_ready
 from sloserve.sglang_ext import settings
 
@@ -83,7 +84,8 @@ def fit_rows(rows: Sequence[dict], target_path: str, draft_path: str | None, dev
     target: list[tuple[float, float, float]] = []  # verify forwards of drafting steps
     plain: list[tuple[float, float, float]] = []  # decode forwards of plain steps
     batches: list[int] = []  # target's rows' decode batch sizes
-    draft, plain_rest, rest = [], [], []
+    draft: list[tuple[float, float, float, float]] = []  # drafting steps
+    plain_rest, rest = [], []
     for r in rows:
         B, k, ctx = r["batch"], r["k"], r["context"]
         q = B * (k + 1)
@@ -93,11 +95,16 @@ def fit_rows(rows: Sequence[dict], target_path: str, draft_path: str | None, dev
             # k forwards of B rows each, the first with the catch-up's rows besides
             # (draft_chain.py): one mean forward
             rows_read = B + r.get("catch_up_rows", 0) / k
-            draft.append((ctx + B * (k + 1) / 2.0, rows_read, r["draft"] / k))
+            draft.append((k, ctx + B * (k + 1) / 2.0, rows_read, r["draft"]))
             rest.append(r["step"] - r["draft"] - r["extend"] - r["verify"])
         else:
             plain_rest.append(r["step"] - r["verify"])
-    t_fit, d_fit = fit_forward_cost(target or plain), fit_forward_cost(draft)
+    # the draft's per-step setup (first) fitted with its forwards: spread over them, a step
+    # of one round was priced low, and every later round half again too high once the
+    # online correction had matched the one-round steps (smollm2 pair, 2-core EPYC,
+    # 2026-12-05: ~3 ms of setup, the draft's metadata and first round's extend, on 6-8 ms
+    # forwards)
+    t_fit, d_fit = fit_forward_cost(target or plain), fit_step_cost(draft)
     t_cost, verify_fixed = t_fit.cost, 0.0
     if target and plain:
         verify_fixed = max(0.0, -statistics.median(
@@ -199,6 +206,9 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--max-prompt", type=int, default=512)
     p.add_argument("--rounds", type=int, default=3, help="request waves per level")
     p.add_argument("--rows-out", type=Path, default=None, help="also write the raw step rows")
+    p.add_argument("--from-rows", type=Path, default=None,
+                   help="fit the step rows a sweep wrote (--rows-out) instead of running one: "
+                        "the same models, options and machine as that sweep")
     p.add_argument("--out", type=Path, default=None,
                    help="directory for the profile file (default: the user cache's "
                         "profiles/, where the SPECSERVE worker looks after configs/profiles/)")
@@ -219,6 +229,9 @@ def main(argv: Sequence[str]) -> int:
     draft = cmd[cmd.index("--speculative-draft-model-path") + 1]
     url = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
     dtype = rest[rest.index("--dtype") + 1]
+    if args.from_rows is not None:
+        return write_fit(_read_rows(args.from_rows, "--from-rows"), target, draft, drafter,
+                         cmd, dtype, levels, args.out)
     with tempfile.TemporaryDirectory() as tmp:
         timings = Path(tmp) / "timings.jsonl"
         cmd, env = sglang_args(rest + [
@@ -247,17 +260,34 @@ def main(argv: Sequence[str]) -> int:
     rows = rows[WARMUP_REQUESTS * args.new_tokens:]  # past the warm-up (compiles, caches)
     if args.rows_out:
         args.rows_out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return write_fit(rows, target, draft, drafter, cmd, dtype, levels, args.out)
+
+
+def _read_rows(path: Path, option: str) -> list[dict]:
+    try:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: {option}: cannot read step rows from {path}: {e}") from e
+    if not rows or not all(isinstance(r, dict) and "batch" in r and "k" in r for r in rows):
+        raise SystemExit(f"error: {option}: {path} holds no sweep step rows")
+    return rows
+
+
+def write_fit(rows: list[dict], target: str, draft: str, drafter: str, cmd: list[str],
+              dtype: str, levels: Sequence[int], out: Path | None) -> int:
+    """Fit the sweep's step rows, write the profile and print what it found."""
     device = "cuda" if "--device" not in cmd else cmd[cmd.index("--device") + 1]
     # the n-gram drafter's profile goes under its own key ("ngram"), never the draft model's
     profile = fit_rows(rows, target, None if drafter == "ngram" else draft, device, dtype,
                        levels)
-    out_dir = args.out or default_dirs()[-1] / PROFILES_DIR  # the user cache's profiles/
+    out_dir = out or default_dirs()[-1] / PROFILES_DIR  # the user cache's profiles/
     path = write_profile(profile, out_dir / profile_filename(
         profile.target.key, profile.draft.key, profile.device, dtype))
     t, d = profile.target, profile.draft
     print(f"target: a={t.cost.a:.3g} b={t.cost.b:.3g} c={t.cost.c:.3g} q0={t.cost.q0:g} "
           f"(R^2 {t.fit.r2:.3f}, MAPE {t.fit.mape:.1%})" if t.fit else "")
     print(f"draft:  a={d.cost.a:.3g} b={d.cost.b:.3g} c={d.cost.c:.3g} q0={d.cost.q0:g} "
+          f"first={d.cost.first:.3g} "
           f"(R^2 {d.fit.r2:.3f}, MAPE {d.fit.mape:.1%})" if d.fit else "")
     if profile.calibration is not None:
         rejected, accepted = (np.asarray(x) for x in profile.calibration)

@@ -27,6 +27,13 @@ class ForwardCost:
     b: float  # seconds per query token computed in the pass, beyond the first q0
     c: float  # fixed seconds per pass (weights load, launch and Python overheads)
     q0: float = 0.0  # query tokens a pass computes for the fixed cost alone (the knee)
+    # seconds the first of a step's forwards pays on top (a drafter's per-step setup, not in
+    # time(): draft_time adds it once for a step that drafts). SGLang's CPU draft: the draft
+    # batch's metadata, the first round's extend over the catch-up and the chain's verify
+    # input made ~3 ms (2-4.6 by batch size) on top of ~6 ms forwards (smollm2 pair, 2-core
+    # EPYC, 2026-12-05); priced per forward instead, the online correction's draft scale
+    # rose to ~1.5 and priced every later round half again too dear
+    first: float = 0.0
 
     def time(self, n_ctx: float, n_q: float) -> float:
         return self.a * n_ctx + self.b * self.paid(n_q) + self.c
@@ -37,7 +44,7 @@ class ForwardCost:
 
     def scaled(self, s: float) -> ForwardCost:
         """Every time s times longer (same knee)."""
-        return ForwardCost(self.a * s, self.b * s, self.c * s, self.q0)
+        return ForwardCost(self.a * s, self.b * s, self.c * s, self.q0, self.first * s)
 
     @staticmethod
     def free() -> ForwardCost:

@@ -15,7 +15,8 @@ Schema (version 1):
      "device": "cpu", "dtype": "float32", "mode": "quick" | "full",
      "target": {"name": ..., "fingerprint": ..., "key": ...,
                 "cost": {"a": s/ctx token, "b": s/query token past q0, "c": s,
-                         "q0": query tokens per forward inside the fixed cost (0 if absent)},
+                         "q0": query tokens per forward inside the fixed cost (0 if absent),
+                         "first": s the first forward of a step pays on top (0 if absent)},
                 "fit": {"r2": ..., "mape": ..., "max_ape": ..., "n_samples": ...}},
      "draft": {same as target},
      "overhead": seconds per step outside the forwards,
@@ -115,7 +116,8 @@ def _model_json(m: ModelProfile) -> dict:
         "name": m.name,
         "fingerprint": m.fingerprint,
         "key": m.key,
-        "cost": asdict(m.cost),
+        # (`first` only where measured: files stay as they were for the costs without it)
+        "cost": {k: v for k, v in asdict(m.cost).items() if k != "first" or v},
         "fit": asdict(m.fit) if m.fit is not None else None,
     }
 

@@ -5,6 +5,7 @@ k_r <= s_r of draft tokens it sends to verification. One step then costs
 
     T_draft  = sum_{j=1..max s} T_fwd(draft; sum_{r: s_r >= j} ctx_{r,j},
                                          B_j + [j == 1] * sum_{r: s_r > 0} lag_r)
+               + first_draft * [max s > 0]
     T_verify = T_fwd(target; sum_r n_r + prefill_context,
                              sum_r (k_r + 1) + prefill_tokens)
                + verify_fixed * [sum_r k_r > 0]
@@ -12,7 +13,8 @@ k_r <= s_r of draft tokens it sends to verification. One step then costs
 
 verify_fixed (CostModel) is what the target's verify path costs over its decode path: a
 step that verifies no draft token runs the decode forward, one that verifies any pays it
-once, whoever verifies.
+once, whoever verifies. first_draft (the draft's ForwardCost.first) is the drafter's
+per-step setup, likewise paid once by a step that drafts.
 
 T_fwd has the knee of cost_model.py: b is paid only for query tokens past q0 in each forward.
 
@@ -62,7 +64,7 @@ def draft_time(draft: ForwardCost, n: np.ndarray, lag: np.ndarray, steps: np.nda
         q = float(np.maximum(batch_j - draft.q0, 0.0).sum())
     else:
         q = float(s.sum()) + lag_drafting
-    return draft.a * ctx + draft.b * q + draft.c * n_fwd
+    return draft.a * ctx + draft.b * q + draft.c * n_fwd + draft.first
 
 
 def verify_time(target: ForwardCost, ctx_total: float, q_total: float) -> float:
@@ -108,6 +110,9 @@ class StepTimer:
         self.token_time = cost.token_time(self.batch_size)
         # seconds the first verified draft token adds on top of token_time (the verify path)
         self.verify_fixed = cost.verify_fixed
+        # seconds a step pays once for its first draft token: the drafter's per-step setup
+        # and the verify path (what plans charge when k_total goes from 0 to 1)
+        self.step_fixed = cost.draft.first + cost.verify_fixed
         # draft tokens the verify forward takes in before they cost token_time each
         self.free_verify = max(0.0, cost.target.q0 - self.verify_q0)
 
@@ -152,7 +157,7 @@ class StepTimer:
 
         With S_n = sum_r n_r, S_lag = sum_r lag_r and paid_d(q) = max(0, q - q0_draft):
         T(k) = plain + verify_extra(k B) (verify_fixed included) + k c_d + a_d (k S_n + k (k - 1) B / 2 - S_lag)
-        + b_d (paid_d(B + S_lag) + (k - 1) paid_d(B)) for k >= 1.
+        + b_d (paid_d(B + S_lag) + (k - 1) paid_d(B)) + first_d for k >= 1.
         """
         d = self.cost.draft
         b = float(self.batch_size)
@@ -160,7 +165,7 @@ class StepTimer:
         k = np.arange(k_max + 1, dtype=np.float64)  # [K]
         t = self.plain + self.verify_extra(k * b)
         t += k * (d.c + d.a * float(self.n.sum())) + k * (k - 1.0) * (0.5 * d.a * b)
-        t[1:] += d.b * (d.paid(b + lag) + (k[1:] - 1.0) * d.paid(b)) - d.a * lag
+        t[1:] += d.b * (d.paid(b + lag) + (k[1:] - 1.0) * d.paid(b)) - d.a * lag + d.first
         return t
 
 

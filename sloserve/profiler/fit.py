@@ -46,15 +46,17 @@ def _as_arrays(samples: Iterable[Sequence[float]]) -> tuple[np.ndarray, np.ndarr
 
 
 def _nnls3(X: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, float]:
-    """[3] non-negative weighted least squares by enumerating column subsets, and its SSE."""
+    """[m] (m = X's columns, 3 or 4) non-negative weighted least squares by enumerating
+    column subsets, and its SSE."""
+    m = X.shape[1]
     Xw, yw = X * w[:, None], y * w
-    best, best_sse = np.zeros(3), float(yw @ yw)
-    for size in (3, 2, 1):
-        for cols in combinations(range(3), size):
+    best, best_sse = np.zeros(m), float(yw @ yw)
+    for size in range(m, 0, -1):
+        for cols in combinations(range(m), size):
             coef, *_ = np.linalg.lstsq(Xw[:, cols], yw, rcond=None)
             if np.any(coef < 0):
                 continue
-            full = np.zeros(3)
+            full = np.zeros(m)
             full[list(cols)] = coef
             r = yw - Xw @ full
             sse = float(r @ r)
@@ -99,6 +101,37 @@ def fit_forward_cost(
     a, b, c = (float(v) for v in coef)
     cost = ForwardCost(a=a, b=b, c=c, q0=q0)
     return FitResult(cost=cost, stats=fit_stats(cost, samples))
+
+
+def fit_step_cost(steps: Iterable[Sequence[float]]) -> FitResult:
+    """A drafter's forward cost and its per-step setup (ForwardCost.first) from whole
+    drafting steps (k, n_ctx, n_q, seconds): k forwards of mean context n_ctx and n_q query
+    tokens each, whose seconds are first + k * (a * n_ctx + b * max(0, n_q - q0) + c). The
+    same non-negative, relative least squares and knee search as fit_forward_cost, with
+    the setup a fourth coefficient; the stats are the mean forward's, as there."""
+    data = np.asarray([tuple(s) for s in steps], dtype=np.float64)  # [N, 4]
+    if data.ndim != 2 or data.shape[1] != 4 or data.shape[0] < 4:
+        raise ValueError("need at least 4 (k, n_ctx, n_q, seconds) steps")
+    if np.any(data[:, 0] <= 0) or np.any(data[:, 3] <= 0) or not np.all(np.isfinite(data)):
+        raise ValueError("steps need k >= 1 and finite positive seconds")
+    k, y = data[:, 0], data[:, 3]
+    w = 1.0 / y
+
+    def design(q0: float) -> np.ndarray:  # [N, 4] columns for (a, b, c, first)
+        return np.column_stack([k * data[:, 1], k * np.maximum(data[:, 2] - q0, 0.0), k,
+                                np.ones_like(k)])
+
+    coef, sse = _nnls3(design(0.0), y, w)
+    linear_sse, q0 = sse, 0.0
+    for cand in _knee_candidates(data[:, 2]):
+        c_k, sse_k = _nnls3(design(float(cand)), y, w)
+        if sse_k < sse and sse_k <= (1.0 - KNEE_GAIN) * linear_sse and c_k[1] > 0.0:
+            coef, sse, q0 = c_k, sse_k, float(cand)
+    a, b, c, first = (float(v) for v in coef)
+    cost = ForwardCost(a=a, b=b, c=c, q0=q0, first=first)
+    per_forward = [(n_ctx, n_q, max(secs - first, 1e-9) / k_i)
+                   for k_i, n_ctx, n_q, secs in data.tolist()]
+    return FitResult(cost=cost, stats=fit_stats(cost, per_forward))
 
 
 def _knee_candidates(n_q: np.ndarray) -> np.ndarray:

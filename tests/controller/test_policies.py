@@ -24,6 +24,11 @@ COST = cpu_cost_model()
 NGRAM_COST = CostModel(COST.target, ForwardCost.free(), COST.overhead)
 KNEE_COST = CostModel(ForwardCost(COST.target.a, COST.target.b, COST.target.c, q0=80.0),
                       ForwardCost(COST.draft.a, COST.draft.b, COST.draft.c, q0=16.0), COST.overhead)
+# with the draft's per-step setup and the verify path's fixed cost (SGLang's CPU shape)
+SETUP_COST = CostModel(KNEE_COST.target,
+                       ForwardCost(COST.draft.a, COST.draft.b, COST.draft.c, q0=16.0,
+                                   first=COST.draft.c * 0.5), COST.overhead,
+                       verify_fixed=COST.target.c * 0.1)
 
 
 class CheckingPlan(SpecPlan):
@@ -312,7 +317,7 @@ def test_empty_batch():
         assert k.shape == (0,)
 
 
-@pytest.mark.parametrize("cost", [COST, KNEE_COST], ids=["linear", "knee"])
+@pytest.mark.parametrize("cost", [COST, KNEE_COST, SETUP_COST], ids=["linear", "knee", "setup"])
 @pytest.mark.parametrize("seed", range(10))
 def test_specserve_incremental_plan_matches_the_reference(seed, cost):
     """The drafter's running tokens / step time equal the non-incremental estimator, and

@@ -74,6 +74,29 @@ def test_fit_recovers_a_roofline_knee_within_2_percent(seed):
     assert linear.cost.q0 == 0.0 and linear.stats.mape > 2 * fit.stats.mape
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_step_fit_separates_a_drafters_setup_from_its_forwards(seed):
+    """Drafting steps of k forwards that pay a setup once (SGLang's CPU draft: ~3 ms on
+    ~6 ms forwards): fit_step_cost finds the setup and the forwards' coefficients, knee
+    included; the per-forward fit of the same steps spreads the setup over the forwards."""
+    from sloserve.profiler.fit import fit_step_cost
+
+    draft = ForwardCost(a=7e-7, b=1.5e-4, c=5.6e-3, q0=6, first=2.9e-3)
+    rng = np.random.default_rng(seed)
+    steps = []
+    for _ in range(300):
+        batch, k = int(rng.choice([1, 2, 4, 8, 16])), int(rng.integers(1, 9))
+        n_ctx, n_q = batch * float(rng.integers(50, 800)), batch + float(rng.integers(0, 3))
+        t = (draft.first + k * draft.time(n_ctx, n_q)) * (1.0 + 0.02 * rng.standard_normal())
+        steps.append((k, n_ctx, n_q, t))
+    fit = fit_step_cost(steps)
+    assert fit.cost.q0 == pytest.approx(draft.q0, abs=1.0)
+    for name in ("a", "b", "c", "first"):
+        assert getattr(fit.cost, name) == pytest.approx(getattr(draft, name), rel=0.1), name
+    spread = fit_forward_cost((c, q, t / k) for k, c, q, t in steps)
+    assert spread.cost.first == 0.0 and spread.stats.mape > 2 * fit.stats.mape
+
+
 def test_linear_timings_keep_no_knee():
     for seed in range(5):
         fit = fit_forward_cost(grid_samples(TRUE, np.random.default_rng(seed), noise=0.02))

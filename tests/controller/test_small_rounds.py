@@ -71,10 +71,13 @@ def _run(policy: SpecServePolicy, step: StepInfo, conf: np.ndarray, rng_seed: in
 
 # SGLang's CPU shape: the verify forward's path costs ~25% of a decode forward over it
 VERIFY_PATH = dataclasses.replace(cpu_cost_model(), verify_fixed=7e-3)
+# and its draft's per-step setup (ForwardCost.first), paid by the step's first draft token
+SETUP = dataclasses.replace(KNEE, verify_fixed=4e-3,
+                            draft=dataclasses.replace(KNEE.draft, first=1.5e-3))
 
 
-@pytest.mark.parametrize("cost", [KNEE, cpu_cost_model(), VERIFY_PATH],
-                         ids=["knee", "linear", "verify-path"])
+@pytest.mark.parametrize("cost", [KNEE, cpu_cost_model(), VERIFY_PATH, SETUP],
+                         ids=["knee", "linear", "verify-path", "setup"])
 @pytest.mark.parametrize("options", [{}, {"uniform_margin": 0.0},
                                      {"score_prefill": True, "start_margin": 0.05},
                                      {"lookahead": True}])

@@ -14,6 +14,9 @@ COST = CostModel(ForwardCost(3e-6, 2e-3, 30e-3), ForwardCost(5e-7, 2e-4, 5e-3), 
 # the same pair with roofline knees: the first 24 verify / 6 draft query tokens are free
 KNEE = CostModel(ForwardCost(3e-6, 2e-3, 30e-3, q0=24), ForwardCost(5e-7, 2e-4, 5e-3, q0=6),
                  overhead=2e-3)
+# the knee pair with a drafter's per-step setup (SGLang's CPU draft: ~3 ms on ~6 ms forwards)
+SETUP = CostModel(KNEE.target, ForwardCost(5e-7, 2e-4, 5e-3, q0=6, first=3e-3), overhead=2e-3,
+                  verify_fixed=4e-3)
 
 
 def brute_force(cost: CostModel, step: StepInfo, drafted, verified) -> float:
@@ -27,15 +30,17 @@ def brute_force(cost: CostModel, step: StepInfo, drafted, verified) -> float:
             ctx, q = (n[rows] - lag[rows]).sum(), len(rows) + lag[rows].sum()
         else:
             ctx, q = (n[rows] + j - 1).sum(), len(rows)
-        t += cost.draft.time(ctx, q)
+        t += cost.draft.time(ctx, q) + (cost.draft.first if j == 1 else 0.0)
     if step.prefill_tokens:  # the draft model reads the prefill chunks too
         t += cost.draft.time(step.prefill_context, step.prefill_tokens)
     q_verify = float(np.sum(np.asarray(verified) + 1)) + step.prefill_tokens
     t += cost.target.time(n.sum() + step.prefill_context, q_verify)
+    if np.sum(verified) > 0:
+        t += cost.verify_fixed
     return t + cost.overhead
 
 
-@pytest.mark.parametrize("cost", [COST, KNEE], ids=["linear", "knee"])
+@pytest.mark.parametrize("cost", [COST, KNEE, SETUP], ids=["linear", "knee", "setup"])
 @pytest.mark.parametrize("seed", range(5))
 def test_plan_time_matches_forward_by_forward_sum(seed, cost):
     rng = np.random.default_rng(seed)
@@ -56,7 +61,7 @@ def test_plan_time_matches_forward_by_forward_sum(seed, cost):
     )
 
 
-@pytest.mark.parametrize("cost", [COST, KNEE], ids=["linear", "knee"])
+@pytest.mark.parametrize("cost", [COST, KNEE, SETUP], ids=["linear", "knee", "setup"])
 @pytest.mark.parametrize("batch", [3, 12, 40])
 def test_uniform_times_match_plans(cost, batch):
     step = make_step(batch, context=np.arange(100, 100 * (batch + 1), 100),
@@ -135,6 +140,24 @@ def test_verify_path_fixed_cost_is_paid_once_by_any_verified_token():
     assert np.allclose(u1[1:] - u0[1:], 0.01)
     assert np.allclose(t1.verify_extra(np.array([0.0, 3.0])) - t0.verify_extra(np.array([0.0, 3.0])),
                        [0.0, 0.01])
+
+
+def test_draft_setup_is_paid_once_by_a_step_that_drafts():
+    """ForwardCost.first of the draft: a step that drafts pays it once, however many
+    forwards and requests draft; a plain step does not; the timer's step_fixed carries it
+    with the verify path (what a plan's first draft token pays)."""
+    import dataclasses
+
+    step = make_step(4, context=300, k_max=4)
+    base = StepTimer(KNEE, step)
+    setup = StepTimer(dataclasses.replace(KNEE, draft=dataclasses.replace(KNEE.draft, first=3e-3)),
+                      step)
+    for drafted in ([0, 0, 0, 0], [1, 0, 0, 0], [3, 3, 1, 0], [4, 4, 4, 4]):
+        d = np.array(drafted)
+        extra = 3e-3 if d.any() else 0.0
+        assert setup.plan(d, d) == pytest.approx(base.plan(d, d) + extra, rel=1e-12)
+    assert setup.uniform(4) - base.uniform(4) == pytest.approx([0.0] + [3e-3] * 4)
+    assert setup.step_fixed == pytest.approx(base.step_fixed + 3e-3)
 
 
 def test_verify_token_price_follows_the_batch_size():

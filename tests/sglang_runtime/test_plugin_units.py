@@ -538,14 +538,18 @@ def test_sglang_profile_fits_the_draft_from_drafting_steps_only(tmp_path):
     forward; a drafting step's first round also reads the rows the draft had not read
     (`catch_up_rows`, inside `draft`), which the draft's fit must count as that forward's
     rows. Plain steps' target forward takes the decode path, cheaper than the verify path by verify_fixed,
-    which the fit finds apart from c."""
+    which the fit finds apart from c. A drafting step also pays the drafter's setup once
+    (the draft's `first`), which the fit finds apart from the forwards' c: spread over them,
+    a step of one round was priced low and every later round high."""
     from sloserve.cli.sglang_profile import fit_rows
     from sloserve.estimator.cost_model import ForwardCost
+    from sloserve.estimator.profile_file import read_profile, write_profile
 
     target = ForwardCost(a=5e-5, b=2.7e-3, c=0.064, q0=0.0)
     draft = ForwardCost(a=1e-5, b=1.2e-4, c=0.0106, q0=0.0)
     overhead = 0.0014
     verify_fixed = 0.015  # the verify path over the decode path (worker._plain_verify)
+    setup = 0.004  # the draft's per-step setup (its metadata, the first round's extend)
     rng = np.random.default_rng(0)
     rows, skipped = [], 0
     for _ in range(400):
@@ -564,7 +568,7 @@ def test_sglang_profile_fits_the_draft_from_drafting_steps_only(tmp_path):
         extra = B * skipped + (int(rng.integers(20, 200)) if rng.random() < 0.2 else 0)
         skipped = 0
         mid = ctx + B * (k + 1) / 2.0
-        rounds = draft.time(mid, B + extra) + (k - 1) * draft.time(mid, B)
+        rounds = setup + draft.time(mid, B + extra) + (k - 1) * draft.time(mid, B)
         extend = 1e-4
         rows.append({"batch": B, "k": k, "context": ctx, "verify": verify, "extend": extend,
                      "draft": rounds, "catch_up_rows": extra,
@@ -576,6 +580,10 @@ def test_sglang_profile_fits_the_draft_from_drafting_steps_only(tmp_path):
                        [1, 2, 4, 8, 16])
     assert profile.draft.fit is not None and profile.draft.fit.r2 > 0.99
     assert profile.draft.cost.c == pytest.approx(draft.c, rel=0.05)
+    assert profile.draft.cost.first == pytest.approx(setup, rel=0.05)
+    back = read_profile(write_profile(profile, tmp_path / "p.json"))
+    assert back.draft.cost == profile.draft.cost
+    assert "first" not in json.loads((tmp_path / "p.json").read_text())["target"]["cost"]
     assert profile.target.cost.c == pytest.approx(target.c, rel=0.05)
     assert profile.verify_fixed == pytest.approx(verify_fixed, rel=0.05)
     assert profile.overhead == pytest.approx(overhead, rel=0.05)

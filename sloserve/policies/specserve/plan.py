@@ -294,7 +294,7 @@ class SpecServePlan(SpecPlan):
         [n] its prediction; each later round h adds gain * pred^(h - 1) tokens a request and
         the seconds of round j + 1 (less the verify path's once-a-step cost), within the
         guarded SLO and k_max. Python floats, so both plans decide alike."""
-        later = time - self.time - (self.timer.verify_fixed if self.k_total == 0 else 0.0)
+        later = time - self.time - (self.timer.step_fixed if self.k_total == 0 else 0.0)
         chain = gain
         for _ in range(self.k_max - j - 1):
             chain = [c * p for c, p in zip(chain, pred)]
@@ -312,8 +312,9 @@ class SpecServePlan(SpecPlan):
         tokens) and i + 1 more verified tokens (past the target's knee; the first verified
         token of the step also pays the verify path's fixed cost)."""
         d = self.cost.draft
-        # the forward's fixed cost, and the verify path's when nothing is verified yet
-        fixed = d.c + (self.timer.verify_fixed if self.k_total == 0 else 0.0)
+        # the forward's fixed cost, and the step's (the drafter's setup, the verify path)
+        # when nothing is drafted yet
+        fixed = d.c + (self.timer.step_fixed if self.k_total == 0 else 0.0)
         if self.linear:  # no knee: the per-request linear costs add up exactly
             time = self.costs[j].take(order)
             time[0] += self.time + fixed

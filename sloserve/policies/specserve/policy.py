@@ -167,7 +167,7 @@ class SpecServePolicy(SpecPolicy):
         # of 16 where drafting hardly pays still earned ~0.25 ms a request a step, and once
         # the credit covered the lags every request drafted with its whole catch-up (up to
         # 1,700 rows, a 580 ms step against 78; SGLang, distilled pair, 2026-12-05)
-        fixed = (d.c + timer.verify_fixed) / B
+        fixed = (d.c + timer.step_fixed) / B
         # saved as the plan counts it: its first round drafts where E beats plain decoding's
         # times (1 + start_margin), so a token saves (1 + pred) / (1 + start_margin) - 1
         # plain tokens' seconds (pred at no margin). Counted without the margin, a pair the

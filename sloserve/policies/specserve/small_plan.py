@@ -70,7 +70,7 @@ class SmallSpecServePlan(SpecServePlan):
     def _prefix_times_small(self, j: int, order: list[int]) -> list[float]:
         """plan.py's `_prefix_times` on Python floats."""
         d = self.cost.draft
-        t = self.time + (d.c + (self.timer.verify_fixed if self.k_total == 0 else 0.0))
+        t = self.time + (d.c + (self.timer.step_fixed if self.k_total == 0 else 0.0))
         times = []
         if self.linear:
             cost = self._cost_row(j)
