@@ -1,7 +1,7 @@
 """Profile SGLang's own forwards for SPECSERVE:
 
     python -m sloserve.profiler --engine sglang [--model-path T --draft-model-path D]
-        [--levels 1,4,16] [--out DIR] [SGLang's options]
+        [--levels 1,4,16] [--out DIR] [--rows-out FILE | --from-rows FILE] [SGLang's options]
 
 Starts SGLang's server with SPECSERVE in sweep mode (every decode step cycles the draft
 length through 0..k_max instead of deciding it, and logs its measured draft forwards, draft

@@ -769,3 +769,18 @@ def test_greedy_chains_from_the_verified_rows_equal_the_whole_blocks_acceptance(
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     assert int(got[1].max()) > 1 and int(got[1].min()) == 1  # some chains accepted, some not
+
+
+def test_sglang_profile_from_rows_refuses_what_is_not_a_sweep(tmp_path):
+    """--from-rows refits a saved sweep (--rows-out); a missing file or one without step
+    rows is an error naming the option, not a profile fitted on nothing."""
+    from sloserve.cli.sglang_profile import _read_rows
+
+    with pytest.raises(SystemExit, match="--from-rows: cannot read"):
+        _read_rows(tmp_path / "absent.jsonl", "--from-rows")
+    (tmp_path / "other.jsonl").write_text('{"rid": 1}\n')
+    with pytest.raises(SystemExit, match="--from-rows: .* no sweep step rows"):
+        _read_rows(tmp_path / "other.jsonl", "--from-rows")
+    (tmp_path / "rows.jsonl").write_text('{"batch": 2, "k": 1}\n\n{"batch": 2, "k": 0}\n')
+    assert _read_rows(tmp_path / "rows.jsonl", "--from-rows") == [
+        {"batch": 2, "k": 1}, {"batch": 2, "k": 0}]
