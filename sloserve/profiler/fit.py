@@ -14,7 +14,7 @@ timings that are linear keep q0 = 0 and noise does not invent a knee.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import combinations
 
@@ -45,7 +45,7 @@ def _as_arrays(samples: Iterable[Sequence[float]]) -> tuple[np.ndarray, np.ndarr
     return X, data[:, 2]
 
 
-def _nnls3(X: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, float]:
+def _nnls(X: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, float]:
     """[m] (m = X's columns, 3 or 4) non-negative weighted least squares by enumerating
     column subsets, and its SSE."""
     m = X.shape[1]
@@ -88,16 +88,11 @@ def fit_forward_cost(
     samples = list(samples)
     X, y = _as_arrays(samples)
     w = 1.0 / y if relative else np.ones_like(y)
-    coef, sse = _nnls3(X, y, w)
-    q0 = 0.0
-    if knee:
-        linear_sse = sse
-        for cand in _knee_candidates(X[:, 1]):
-            Xk = X.copy()
-            Xk[:, 1] = np.maximum(Xk[:, 1] - cand, 0.0)
-            c_k, sse_k = _nnls3(Xk, y, w)
-            if sse_k < sse and sse_k <= (1.0 - KNEE_GAIN) * linear_sse and c_k[1] > 0.0:
-                coef, sse, q0 = c_k, sse_k, float(cand)
+
+    def design(q0: float) -> np.ndarray:  # [N, 3] columns for (a, b, c)
+        return np.column_stack([X[:, 0], np.maximum(X[:, 1] - q0, 0.0), X[:, 2]])
+
+    coef, q0 = _fit_knee(design, X[:, 1], y, w, knee)
     a, b, c = (float(v) for v in coef)
     cost = ForwardCost(a=a, b=b, c=c, q0=q0)
     return FitResult(cost=cost, stats=fit_stats(cost, samples))
@@ -121,17 +116,26 @@ def fit_step_cost(steps: Iterable[Sequence[float]]) -> FitResult:
         return np.column_stack([k * data[:, 1], k * np.maximum(data[:, 2] - q0, 0.0), k,
                                 np.ones_like(k)])
 
-    coef, sse = _nnls3(design(0.0), y, w)
-    linear_sse, q0 = sse, 0.0
-    for cand in _knee_candidates(data[:, 2]):
-        c_k, sse_k = _nnls3(design(float(cand)), y, w)
-        if sse_k < sse and sse_k <= (1.0 - KNEE_GAIN) * linear_sse and c_k[1] > 0.0:
-            coef, sse, q0 = c_k, sse_k, float(cand)
+    coef, q0 = _fit_knee(design, data[:, 2], y, w)
     a, b, c, first = (float(v) for v in coef)
     cost = ForwardCost(a=a, b=b, c=c, q0=q0, first=first)
     per_forward = [(n_ctx, n_q, max(secs - first, 1e-9) / k_i)
                    for k_i, n_ctx, n_q, secs in data.tolist()]
     return FitResult(cost=cost, stats=fit_stats(cost, per_forward))
+
+
+def _fit_knee(design: Callable[[float], np.ndarray], n_q: np.ndarray, y: np.ndarray,
+              w: np.ndarray, knee: bool = True) -> tuple[np.ndarray, float]:
+    """The non-negative fit of y on design(q0) [N, m] (column 1 the query tokens past q0)
+    and its knee q0: the linear fit (q0 = 0), or the best candidate knee where it cuts the
+    weighted SSE by KNEE_GAIN or more and keeps b > 0."""
+    coef, sse = _nnls(design(0.0), y, w)
+    linear_sse, q0 = sse, 0.0
+    for cand in _knee_candidates(n_q) if knee else ():
+        c_k, sse_k = _nnls(design(float(cand)), y, w)
+        if sse_k < sse and sse_k <= (1.0 - KNEE_GAIN) * linear_sse and c_k[1] > 0.0:
+            coef, sse, q0 = c_k, sse_k, float(cand)
+    return coef, q0
 
 
 def _knee_candidates(n_q: np.ndarray) -> np.ndarray:

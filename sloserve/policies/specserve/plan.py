@@ -292,7 +292,7 @@ class SpecServePlan(SpecPlan):
         pays with the rounds after it: the plan with it has `tokens` expected tokens in
         `time` seconds, gain [n] is each chosen request's expected token at j + 1 and pred
         [n] its prediction; each later round h adds gain * pred^(h - 1) tokens a request and
-        the seconds of round j + 1 (less the verify path's once-a-step cost), within the
+        the seconds of round j + 1 (less the step's once-a-step costs), within the
         guarded SLO and k_max. Python floats, so both plans decide alike."""
         later = time - self.time - (self.timer.step_fixed if self.k_total == 0 else 0.0)
         chain = gain
@@ -310,7 +310,7 @@ class SpecServePlan(SpecPlan):
         """[B] exact step time of the plan plus draft position j + 1 for the first i + 1
         requests of `order`: one more draft forward (its knee priced on the prefix's query
         tokens) and i + 1 more verified tokens (past the target's knee; the first verified
-        token of the step also pays the verify path's fixed cost)."""
+        token of the step also pays step_fixed: the drafter's setup and the verify path)."""
         d = self.cost.draft
         # the forward's fixed cost, and the step's (the drafter's setup, the verify path)
         # when nothing is drafted yet
