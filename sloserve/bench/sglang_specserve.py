@@ -49,6 +49,9 @@ CPU engine's flags added on machines without CUDA), float32, the same model pair
     SYSTEM/torch-attn  any system whose CPU shim attends in plain torch instead of the
                   project's C++ paged attention (SLOSERVE_CPU_KERNELS=0;
                   sloserve/sglang_cpu/cpu_ops/attention.py)
+    SYSTEM/sglang-draft  a SPECSERVE system whose draft forwards run through SGLang's model
+                  runner instead of sloserve's lean decoder (SLOSERVE_LEAN_DRAFT=0;
+                  sloserve/sglang_ext/lean_draft.py)
 
 SGLang's own adaptive speculation (`--speculative-adaptive`) applies only to EAGLE/EAGLE3
 in 0.5.23 (speculative/adaptive_spec_params.py: adaptive_unsupported_reason); with
@@ -107,6 +110,7 @@ from sloserve.runtime.cpu_kernels import ENV_SWITCH as KERNELS_ENV
 from sloserve.runtime.models.cpu_linear import PAD_ENV
 from sloserve.sglang_cpu.cpu_server import stop_server, wait_ready
 from sloserve.sglang_ext.cpu_weights import DRAFT_DTYPE_ENV, LAYOUT_ENV
+from sloserve.sglang_ext.lean_draft import ENV_SWITCH as LEAN_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 SYSTEMS = ("plain", "standalone:1", "standalone:3", "specserve", "specserve:per-request")
@@ -138,7 +142,7 @@ def ours(system: str) -> bool:
 ENV_SUFFIXES = {"/row": (LAYOUT_ENV, "row"), "/column": (LAYOUT_ENV, "column"),
                 "/packed": (LAYOUT_ENV, "packed"), "/f32-draft": (DRAFT_DTYPE_ENV, "float32"),
                 "/pad": (PAD_ENV, "on"), "/nopad": (PAD_ENV, "off"),
-                "/torch-attn": (KERNELS_ENV, "0")}
+                "/torch-attn": (KERNELS_ENV, "0"), "/sglang-draft": (LEAN_ENV, "0")}
 
 
 def _env_suffixes(system: str) -> tuple[str, dict[str, str]]:

@@ -51,6 +51,7 @@ from sloserve.sglang_ext.cpu_weights import (
     is_column_major,
 )
 from sloserve.sglang_ext.draft_kv import DraftKVBook
+from sloserve.sglang_ext.lean_draft import LeanDraft
 from sloserve.sglang_ext.ngram_chain import NgramChains
 from sloserve.sglang_ext.sglang_internals import (
     CaptureHiddenMode,
@@ -138,6 +139,9 @@ class AlignedDraft:
         # (use_hot_vocab); None: the full head, row i = token i
         self.hot: torch.Tensor | None = None
         self.vocab_size = 0  # the full vocabulary V (set with `hot`)
+        # the draft's forward without SGLang's model runner (lean_draft.py), built at first
+        # use (the KV pool does not exist yet); None: SGLang's forward
+        self._lean: LeanDraft | None | bool = False  # False: not decided yet
 
     @property
     def book(self) -> DraftKVBook:
@@ -166,6 +170,13 @@ class AlignedDraft:
             b = DraftBackendFactory(self.dw.draft_runner, 1, k + 1).create_decode_backend()
             self.backends[k] = b
         return b
+
+    @property
+    def lean(self) -> LeanDraft | None:
+        if self._lean is False:
+            self._lean = LeanDraft.build(self.dw)
+        assert not isinstance(self._lean, bool)
+        return self._lean
 
     def install(self) -> None:
         replace_methods(self.dw, _draft_extend_for_prefill=self.prefill_extend,
@@ -241,11 +252,47 @@ class AlignedDraft:
             if kept:
                 self.book.unread(locs[:, kept].reshape(-1))
             return None
-        dw = self.dw
         self.book.bonus(rows, lens, bonus)
         ends = [n + 1 for n in lens]  # through the bonus token's position L
         tokens, slots = self.book.window(rows, starts, ends)
         bs = len(lens)
+        lean = self.lean
+        if lean is not None and max(e - s for s, e in zip(starts, ends)) <= LEAN_EXTEND:
+            logits = self._lean_extend(lean, batch, tokens, slots, starts, ends)
+        else:
+            logits = self._sglang_extend(batch, tokens, slots, starts, ends)
+        self.book.written(slots)
+        if kept:  # (after `written`: their bonus slot is one of the extend's)
+            self.book.unread(locs[:, kept].reshape(-1))
+            stale = set(kept)
+            rows = [r for i, r in enumerate(rows) if i not in stale]
+        self.book.caught_up(rows)
+        missed = int(tokens.shape[0]) - bs
+        self.caught_up_tokens += missed
+        if self.on_catch_up is not None:
+            self.on_catch_up(batch, missed)
+        return logits
+
+    def _lean_extend(self, lean: LeanDraft, batch: Any, tokens: torch.Tensor,
+                     slots: torch.Tensor, starts: list[int], ends: list[int]) -> torch.Tensor:
+        """The catch-up extend through LeanDraft: request b's positions starts[b] ..
+        ends[b] - 1 (tokens, slots [T] in that order) -> [bs, N] its last row's logits."""
+        q_lens = [e - s for s, e in zip(starts, ends)]
+        offsets = [0]
+        for n in q_lens[:-1]:
+            offsets.append(offsets[-1] + n)
+        positions = torch.tensor([p for s, e in zip(starts, ends) for p in range(s, e)],
+                                 dtype=torch.int64)
+        table = _table(self.dw, batch, max(ends))
+        return lean.forward(tokens.long().contiguous(), positions, slots.long().contiguous(),
+                            table, torch.tensor(offsets, dtype=torch.int64),
+                            torch.tensor(q_lens, dtype=torch.int64),
+                            torch.tensor(starts, dtype=torch.int64))
+
+    def _sglang_extend(self, batch: Any, tokens: torch.Tensor, slots: torch.Tensor,
+                       starts: list[int], ends: list[int]) -> torch.Tensor:
+        """The catch-up extend as an EXTEND forward of SGLang's draft runner."""
+        dw = self.dw
         cb = copy.copy(batch)  # SGLang's batch stays as it is; this forward is the draft's
         cb.forward_mode = ForwardMode.EXTEND
         cb.input_ids, cb.out_cache_loc = tokens, slots
@@ -266,18 +313,7 @@ class AlignedDraft:
         fb = ForwardBatch.init_new(cb, dw.draft_runner, capture_hidden_mode=CaptureHiddenMode.NULL,
                                    return_hidden_states_before_norm=False)
         fb.return_logprob = False
-        logits = logits32(dw.draft_runner.forward(fb).logits_output.next_token_logits)  # [bs, V]
-        self.book.written(slots)
-        if kept:  # (after `written`: their bonus slot is one of the extend's)
-            self.book.unread(locs[:, kept].reshape(-1))
-            stale = set(kept)
-            rows = [r for i, r in enumerate(rows) if i not in stale]
-        self.book.caught_up(rows)
-        missed = cb.extend_num_tokens - bs
-        self.caught_up_tokens += missed
-        if self.on_catch_up is not None:
-            self.on_catch_up(batch, missed)
-        return logits
+        return logits32(dw.draft_runner.forward(fb).logits_output.next_token_logits)  # [bs, V]
 
     def _next_input(self, bs: int, bonus: torch.Tensor) -> EagleDraftInput:
         """The draft input SGLang carries to the next decode step: its bonus token (the
@@ -352,9 +388,16 @@ class AlignedDraft:
         # round 1 with the catch-up when anyone misses draft KV (before the multi-step
         # backend's metadata: that forward runs on the draft runner's own backend)
         first = self.first_round(batch, tokens, locs[0], locs)
-        backend = self.backend(k)
-        backend.init_forward_metadata(fb)
-        fb.mark_forward_metadata_ready()
+        lean = self.lean if bs else None
+        if lean is None:
+            backend = self.backend(k)
+            backend.init_forward_metadata(fb)
+            fb.mark_forward_metadata_ready()
+        else:  # every round's keys: positions 0 .. L + k - 1 (slots L .. L + k reserved)
+            seq = batch.seq_lens.to(torch.int64)  # [bs] L
+            table = _table(dw, batch, int(seq.max()) + k + 1)  # [bs, W]
+            seg_rows = torch.arange(bs, dtype=torch.int64)
+            seg_ones = torch.ones(bs, dtype=torch.int64)
         drafts: list[torch.Tensor] = []
         confs: list[torch.Tensor] = []
         qs: list[torch.Tensor] = []
@@ -367,6 +410,10 @@ class AlignedDraft:
         for i in range(k):
             if i == 0 and first is not None:
                 logits = first
+            elif lean is not None:  # round i: one token a request at position L + i
+                at = seq + i
+                logits = lean.forward(tokens, at, locs[i].contiguous(), table, seg_rows,
+                                      seg_ones, at)
             else:
                 fb.input_ids = tokens
                 fb.out_cache_loc = locs[i]
@@ -514,6 +561,19 @@ class _RowsHead(torch.nn.Module):
             self.quant_method = bf16_method(None, weight)
         elif packed:
             self.quant_method = PackedF32Method(None, weight)
+
+
+# catch-up extends of at most this many positions a request run through LeanDraft; longer
+# ones (a prompt read at a request's first drafting step) through SGLang's EXTEND forward,
+# whose attention is built for long segments (the paged kernel scores a segment's rows in
+# one unit: fine for the few rows of a catch-up, not for a prompt)
+LEAN_EXTEND = 32
+
+
+def _table(dw: Any, batch: Any, width: int) -> torch.Tensor:
+    """[bs, width] int64: each request's KV slots by position (its req_to_token row)."""
+    req_to_token = dw.req_to_token_pool.req_to_token
+    return req_to_token[:, :width].index_select(0, batch.req_pool_indices.long()).long()
 
 
 def _rows(batch: Any) -> list[int]:

@@ -152,6 +152,7 @@ def test_speculation_with_the_distilled_draft_is_lossless(servers, reference, sy
         log = servers.log(system).read_text(errors="replace")
         bf16 = "SPECSERVE: the draft's 16 linear layers multiply in bf16" in log
         assert bf16 == cpu_has_bf16_matmul(), log[-3000:]
+        assert "draft forward: sloserve's lean decoder" in log, log[-3000:]
     metas = [o["meta_info"] for o in alone + batched]
     if "slo" not in system:  # (its plan may judge a step not worth drafting)
         assert sum(m.get("spec_verify_ct", 0) for m in metas) > 0, metas[0]

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from sloserve.runtime.models.config import HOT_VOCAB_KEY
+from sloserve.sglang_ext.lean_draft import ENV_SWITCH as LEAN_ENV
 from tests.sglang_runtime.launched import TINY_PROFILE, ServerQueue, post
 
 pytestmark = pytest.mark.timeout(2400)
@@ -69,8 +70,11 @@ def launched(sglang_python, tiny_sglang_pair, tiny_plain, tmp_path_factory):
                               "start_margin=-0.5,initial_overrun=1,overrun_window=1",
                               "--spec-profile", str(TINY_PROFILE)], {}),
         # other policies of the registry through the same session (issue #29)
+        # ... its draft forwards through SGLang's model runner, not sloserve's lean decoder
+        # (lean_draft.py; every other server here runs that, the default)
         "fixed3": (pair + ["--k-max", "4", "--spec-policy", "fixed:3",
-                           "--spec-profile", str(TINY_PROFILE)], {}),
+                           "--spec-profile", str(TINY_PROFILE), "--log-level", "info"],
+                   {LEAN_ENV: "0"}),
         "slo": (pair + ["--k-max", "4", "--spec-policy", "specserve-slo", "--tpot-slo", "2s",
                         "--spec-profile", str(TINY_PROFILE)], {}),
         # draft = target, multiplying as the target does (float32: a bf16 draft where the
@@ -80,7 +84,7 @@ def launched(sglang_python, tiny_sglang_pair, tiny_plain, tmp_path_factory):
         # in 20 requests once a paused request's credit counted its fixed costs (2026-12-05)
         "self": (["--model-path", target, "--draft-model-path", target, "--k-max", "4",
                   "--spec-policy", "specserve", "--spec-options", "start_margin=-0.5",
-                  "--spec-profile", str(TINY_PROFILE)], F32_DRAFT),
+                  "--spec-profile", str(TINY_PROFILE), "--log-level", "info"], F32_DRAFT),
         # draft = target with its LM head cut to the even token ids (draft_chain.py
         # use_hot_vocab): it proposes the target's token wherever that is even
         "selfhot": (["--model-path", target, "--draft-model-path", str(hot_dir), "--k-max",
@@ -267,6 +271,9 @@ def test_registry_policies_serve_greedy_output_equal_to_plain(launched, name):
     assert max(steps) > 0, steps
     if name == "fixed3":
         assert set(steps) == {3}, steps
+        log = launched.log(name).read_text(errors="replace")
+        assert "draft forward through SGLang's model runner: SLOSERVE_LEAN_DRAFT=0" in log, \
+            log[-3000:]
     assert [g["output_ids"] for g in _all_at_once(spec, prompts)] == want
 
 
@@ -281,6 +288,10 @@ def test_draft_equal_to_target_is_always_accepted(launched):
     proposed = sum(sum(m["sloserve_draft_steps"]) for m in metas)
     correct = sum(m["spec_num_correct_drafts"] for m in metas)
     assert proposed >= 40 and correct / proposed >= 0.99, (proposed, correct)
+    # the draft ran sloserve's lean decoder (lean_draft.py), its catch-up extends included:
+    # computing as the target's SGLang forward does, it proposes the target's own tokens
+    log = launched.log("self").read_text(errors="replace")
+    assert "draft forward: sloserve's lean decoder" in log, log[-3000:]
 
 
 def test_a_draft_cut_to_a_hot_vocabulary_proposes_its_tokens_alone(launched):
