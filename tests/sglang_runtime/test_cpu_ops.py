@@ -380,6 +380,33 @@ def test_extend_keys_not_in_the_cache_take_the_torch_path(kernel_calls):
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
+def test_a_forwards_layers_check_the_cache_once(kernel_calls, monkeypatch):
+    """Every layer of a forward passes the same metadata: the lengths and the cache holding
+    the extend's keys are checked at the plan's first call, and each layer's own keys are
+    still attended (three layers' caches, each stored by its caller as SGLang's backend
+    does)."""
+    checks = []
+    holds = attention_mod._cache_holds
+
+    def counted(*args):
+        checks.append(1)
+        return holds(*args)
+
+    monkeypatch.setattr(attention_mod, "_cache_holds", counted)
+    prefix_lens, ext_lens = [6, 3, 8], [2, 1, 3]
+    layers = [_extend_case(prefix_lens, ext_lens, seed=30 + i) for i in range(3)]
+    r2t, rpi, starts, seq_lens = layers[0][2], layers[0][6], layers[0][7], layers[0][8]
+    for k_buf, v_buf, _, q, k_ext, v_ext, *_ in layers:
+        _store_extend(k_buf, v_buf, r2t, rpi, starts, prefix_lens, ext_lens, k_ext, v_ext)
+        out = torch.empty(q.shape[0], H, DV)
+        cpu_ops.extend_attention(q, k_ext, v_ext, out, k_buf, v_buf, 1.0, 1.0, r2t, rpi,
+                                 seq_lens, torch.tensor(ext_lens), starts, 3, 0.3, 0.0)
+        ref = _ref_extend(k_buf, v_buf, r2t, q, k_ext, v_ext, rpi, starts, prefix_lens,
+                          ext_lens, lambda b, i, j: j <= i, 0.3)
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert len(kernel_calls) == 3 and len(checks) == 1, (kernel_calls, checks)
+
+
 @pytest.mark.parametrize("kwargs,what", [
     (dict(sliding_window_size=8), "sliding-window"),
     (dict(sinks=torch.zeros(H)), "sinks"),
