@@ -9,7 +9,7 @@ round, while the target pays it once a step: it decided whether drafting paid at
 
 `LeanDraft` runs the same Llama decoder on the same weights, KV pool and slots with the
 project's fused CPU kernels (runtime/csrc: add_rms_norm, rope_store, silu_mul and the paged
-attention of short segments), ~15 ops a layer, and is used for every draft round, the first
+attention of short segments), ~20 ops a layer, and is used for every draft round, the first
 round's catch-up extend included. Built only for what it reproduces: a Llama-type decoder
 (pre-norm RMSNorm, neox RoPE over the whole head, SiLU MLP, no biases, no logit cap, scale
 or sliding window), a float32 KV pool and the C++ kernels present; anything else keeps
