@@ -36,6 +36,7 @@ backends are built here per k with k + 1 positions (SGLang's hold k - 1 draft fo
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -278,9 +279,7 @@ class AlignedDraft:
         """The catch-up extend through LeanDraft: request b's positions starts[b] ..
         ends[b] - 1 (tokens, slots [T] in that order) -> [bs, N] its last row's logits."""
         q_lens = [e - s for s, e in zip(starts, ends)]
-        offsets = [0]
-        for n in q_lens[:-1]:
-            offsets.append(offsets[-1] + n)
+        offsets = [0, *itertools.accumulate(q_lens[:-1])]  # each segment's first row
         positions = torch.tensor([p for s, e in zip(starts, ends) for p in range(s, e)],
                                  dtype=torch.int64)
         table = _table(self.dw, batch, max(ends))

@@ -44,7 +44,6 @@ class _Layer:
         self.w_post = layer.post_attention_layernorm.weight.data
         self.eps_post = float(layer.post_attention_layernorm.variance_epsilon)
         self.pool, self.layer_id = pool, attn.attn.layer_id  # its KV: asked at each forward
-        self.cos_sin = attn.rotary_emb.cos_sin_cache  # [max_pos, D]: cos | sin halves
 
 
 def _linear(module: Any, x: torch.Tensor) -> torch.Tensor:
@@ -118,6 +117,9 @@ class LeanDraft:
         self.heads, self.kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
         self.q_size = self.heads * self.head_dim
         self.scale = float(a.attn.scaling)
+        # [max_pos, D]: cos | sin halves, every layer's (one config: SGLang's get_rope
+        # builds them alike)
+        self.cos_sin = a.rotary_emb.cos_sin_cache
         self.w_norm = model.model.norm.weight.data
         self.eps_norm = float(model.model.norm.variance_epsilon)
 
@@ -146,13 +148,10 @@ class LeanDraft:
         T = tokens.shape[0]
         H, KVH, D = self.heads, self.kv_heads, self.head_dim
         x = self.embed(tokens).float().contiguous()  # [T, hidden] the residual stream
-        half = D // 2
-        cos_sin = None
+        cos_sin = self.cos_sin.index_select(0, positions)  # [T, D], one gather for all layers
+        cos, sin = cos_sin[:, :D // 2], cos_sin[:, D // 2:]
         delta: torch.Tensor | None = None  # the last layer's MLP output, not yet added
         for layer in self.layers:
-            if cos_sin is None:  # one gather for every layer (the caches are alike)
-                cos_sin = layer.cos_sin.index_select(0, positions)  # [T, D]
-                cos, sin = cos_sin[:, :half], cos_sin[:, half:]
             h = (ops.rms_norm(x, layer.w_in, layer.eps_in) if delta is None
                  else ops.add_rms_norm(x, delta, layer.w_in, layer.eps_in))
             qkv = _linear(layer.qkv, h).contiguous()  # [T, (H + 2 KVH) D]
