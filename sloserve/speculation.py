@@ -88,6 +88,11 @@ class VerifyOutcome:
     draft_time: float  # measured wall time of the draft forwards in seconds
     # measured wall time of the target (verify) forward in seconds; None where not measured
     verify_time: float | None = None
+    # the engine ran this step's shape (batch size, rounds, verified tokens) for the first
+    # time: its times carry one-time costs (SGLang on a CPU: a batch size's first drafting
+    # steps ran 10-28 ms over the same shape's later verify forwards, 2026-12-06), so they
+    # are no evidence of what the shape costs; the step's tokens and acceptance still are
+    cold: bool = False
 
 
 class SpecPlan(ABC):
@@ -281,9 +286,11 @@ class SpecSession:
 
     # ----- the end of the step
     def finish(self, accepted: np.ndarray | Sequence[int], step_time: float,
-               draft_time: float, verify_time: float | None = None) -> VerifyOutcome:
+               draft_time: float, verify_time: float | None = None,
+               cold: bool = False) -> VerifyOutcome:
         """The verify outcome (accepted drafts per request, bonus excluded; clipped to the
-        verified ones) handed to the policy's observe; returned to the caller."""
+        verified ones) handed to the policy's observe; returned to the caller. cold: the
+        step's shape ran for the first time (VerifyOutcome.cold)."""
         if self.outcome is not None:
             raise RuntimeError("the session's step already finished")
         verified = self.verified if self.verified is not None else self.verify_lengths()
@@ -296,7 +303,7 @@ class SpecSession:
             drafted=self.drafted.copy(), verified=verified.copy(),
             accepted=np.minimum(np.asarray(accepted, dtype=np.int64), verified),
             confidences=conf, step_time=step_time, draft_time=draft_time,
-            verify_time=verify_time)
+            verify_time=verify_time, cold=cold)
         t = time.perf_counter()
         self.policy.observe(self.plan, outcome)
         self.policy_time += time.perf_counter() - t

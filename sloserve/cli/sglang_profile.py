@@ -87,6 +87,8 @@ def fit_rows(rows: Sequence[dict], target_path: str, draft_path: str | None, dev
     draft: list[tuple[float, float, float, float]] = []  # drafting steps
     plain_rest, rest = [], []
     for r in rows:
+        if r.get("cold"):  # a shape's first step: one-time costs (VerifyOutcome.cold)
+            continue
         B, k, ctx = r["batch"], r["k"], r["context"]
         q = B * (k + 1)
         (target if k else plain).append((ctx + q, q, r["verify"]))

@@ -117,6 +117,9 @@ class StepController:
     # step verifies min(forced[(i + n) % len], k_max); the plan still sees everything
     forced_lengths: tuple[int, ...] = ()
     _steps_begun: int = 0
+    # the (batch size, rounds, verified tokens) shapes SGLang has run: a step of a new one is
+    # cold (VerifyOutcome.cold), its times kept from the policy's cost correction
+    _shapes: set[tuple[int, int, int]] = field(default_factory=set)
     _last_finish: float | None = None  # perf_counter at the last step's finish (timings)
     # a file that gets one JSON line per per-request step: the verify lengths, and for a
     # SpecServe plan its chain probabilities and calibration map, for tests and debugging
@@ -223,8 +226,12 @@ class StepController:
                               if d is not None and extra else 0.0)
         drafting = (step.draft_time + step.extend_time - step.catch_up_time
                     if step.rounds else 0.0)
+        verified_now = s.verified if s.verified is not None else s.drafted
+        shape = (B, step.rounds, int(verified_now.sum()))
+        cold = shape not in self._shapes
+        self._shapes.add(shape)
         outcome = s.finish(num_correct_drafts, step_time - step.catch_up_time, drafting,
-                           step.verify_time if step.verify_time > 0.0 else None)
+                           step.verify_time if step.verify_time > 0.0 else None, cold=cold)
         drafted, verified, accepted = outcome.drafted, outcome.verified, outcome.accepted
         if self.on_outcome is not None:
             self.on_outcome(drafted, verified, accepted)
@@ -240,7 +247,7 @@ class StepController:
                 # seconds in the policy's Python (plan, after each round, verify lengths;
                 # observe included) and whether the plan steered the rounds
                 "policy": s.plan_time + s.policy_time,
-                "per_request": step.per_request, "gap": gap}
+                "per_request": step.per_request, "gap": gap, "cold": cold}
             corr = getattr(self.policy, "correction", None)
             if corr is not None:  # the online cost correction after this step
                 row["theta"] = [round(corr.theta_target, 4), round(corr.theta_verify, 4),

@@ -199,7 +199,11 @@ class SpecServePolicy(SpecPolicy):
             b = float(np.log2(max(step.batch_size, 1)))
             vb = self._verify_batch
             self._verify_batch = b if vb is None else vb + VERIFY_BATCH_EMA * (b - vb)
-        if outcome.step_time > 0.0:
+        # a cold step's times (a shape's first run: one-time costs) are no evidence of the
+        # prices or of how far steps overrun them. One such step at batch 4 moved the verified
+        # tokens' scale from 0.25 to 3.4 and no request drafted for the next ~100 steps, the
+        # scale learning only from steps that verify (SGLang, C = 4, 2026-12-06)
+        if outcome.step_time > 0.0 and not outcome.cold:
             predicted, drafting = self._predicted(plan, outcome)
             if self.correction is not None and not step.prefill_tokens:
                 self._correct_prices(plan, outcome, predicted, drafting)
