@@ -124,6 +124,11 @@ _OPTIONS: ContextVar[tuple[tuple[str, str], ...]] = ContextVar("policy_options",
 _TAKES_OPTIONS = ("specserve", "specserve-drafter", "specserve-slo")
 
 
+def takes_options(spec: str) -> bool:
+    """Whether the policy `spec` names takes options (the SpecServe family)."""
+    return spec.strip().partition(":")[0] in _TAKES_OPTIONS
+
+
 def _adaserve(arg: str | None, cost: CostModel, k_max: int, drafter: str) -> SpecPolicy:
     return AdaServePolicy(cost, k_max) if arg is None else AdaServePolicy(cost, k_max,
                                                                           depth=int(arg))

@@ -23,7 +23,7 @@ from typing import Any
 from sloserve.estimator.cost_model import CostModel, rough_cost
 from sloserve.estimator.profile_file import Profile, model_key, read_profile
 from sloserve.estimator.profile_lookup import device_key, device_keys, find_first, fingerprint
-from sloserve.policies.registry import make_policy
+from sloserve.policies.registry import make_policy, takes_options
 from sloserve.sglang_ext.controller import StepController
 from sloserve.sglang_ext.cpu_weights import draft_dtype_from_env, layout_from_env
 from sloserve.spec_config import SpeculationConfig
@@ -209,6 +209,26 @@ def load_cost(target_path: str, draft_path: str, device: str, dtype: str,
     return replace(rough, verify_fixed=ROUGH_VERIFY_PATH * rough.target.c), None
 
 
+# SpecServe's uniform_margin inside SGLang's per-request steps (the user's
+# --spec-options uniform_margin=... wins). The built-in engine's 6% was measured on the
+# random-weight pair, whose requests all accept alike; on the real pair inside SGLang
+# (2-core EPYC, 2026-12-06) it kept the plan from every ragged choice at batch 4 (48 of 895
+# steps drafted ragged, 9 draft tokens of 5,781 trimmed) and the per-request mode ran 4-6%
+# more ms a token than with 0 (in-server medians of two starts at C = 4 and 1), which also
+# ran at or above the uniform mode's (BENCHMARKS.md)
+SGLANG_UNIFORM_MARGIN = "0"
+
+
+def policy_options(cfg: WorkerConfig) -> tuple[tuple[str, str], ...]:
+    """The policy's options in the worker: the config's, with SGLANG_UNIFORM_MARGIN for a
+    SpecServe policy's per-request steps unless the config sets uniform_margin."""
+    options = tuple(cfg.spec.options)
+    if (cfg.per_request and takes_options(cfg.spec.policy)
+            and all(name != "uniform_margin" for name, _ in options)):
+        options = (("uniform_margin", SGLANG_UNIFORM_MARGIN), *options)
+    return options
+
+
 def make_controller(cfg: WorkerConfig, target_path: str, draft_path: str, k_max: int,
                     device: str, dtype: str = "auto") -> StepController:
     """The worker's controller: the config's policy built by the registry (any policy;
@@ -217,7 +237,7 @@ def make_controller(cfg: WorkerConfig, target_path: str, draft_path: str, k_max:
                                   cfg.drafter)
     spec = cfg.spec
     policy = make_policy(spec.policy, cost, k_max=k_max, drafter=cfg.drafter,
-                         calibration=calibration, options=spec.options)
+                         calibration=calibration, options=policy_options(cfg))
     return StepController(policy, k_max, spec.tpot_slo, draft_cost=cost.draft,
                           per_request=cfg.per_request,
                           trim=cfg.trim,

@@ -445,6 +445,29 @@ def test_policy_options_travel_in_the_one_config(monkeypatch):
         make_policy("fixed:3", COST, k_max=4, options=(("ema", "0.5"),))
 
 
+def test_per_request_steps_in_sglang_default_to_no_uniform_margin(monkeypatch):
+    """Inside SGLang a SpecServe policy's per-request steps run with uniform_margin 0
+    (settings.SGLANG_UNIFORM_MARGIN: measured on the real pair) unless the user sets it;
+    uniform steps and the built-in engine keep SpecServeOptions' default."""
+    monkeypatch.setattr("sloserve.cli.sglang_launch.cuda_available", lambda: False)
+
+    def margin(*flags: str) -> float | None:
+        _, env = sglang_args(["--spec-policy", "specserve-slo", *flags])
+        cfg = settings.WorkerConfig.from_json(env[settings.ENV_CONFIG])
+        policy = make_policy(cfg.spec.policy, COST, k_max=4,
+                             options=settings.policy_options(cfg))
+        return getattr(getattr(policy, "options", None), "uniform_margin", None)
+
+    default = SpecServePolicy(COST, 4).options.uniform_margin
+    assert default > 0.0
+    assert margin() == 0.0  # per-request by default (previous test)
+    assert margin("--spec-lengths", "uniform") == default
+    assert margin("--spec-options", "uniform_margin=0.1") == pytest.approx(0.1)
+    _, env = sglang_args(["--spec-policy", "fixed:2"])  # a policy without options
+    assert settings.policy_options(settings.WorkerConfig.from_json(
+        env[settings.ENV_CONFIG])) == ()
+
+
 def test_profiling_rows_carry_confidences_and_fit_the_calibration(tmp_path):
     """In sweep mode the controller logs each uniform step's chain confidences with every
     request's accepted drafts; the SGLang profiler's calibration counts each position up to
@@ -784,3 +807,49 @@ def test_sglang_profile_from_rows_refuses_what_is_not_a_sweep(tmp_path):
     (tmp_path / "rows.jsonl").write_text('{"batch": 2, "k": 1}\n\n{"batch": 2, "k": 0}\n')
     assert _read_rows(tmp_path / "rows.jsonl", "--from-rows") == [
         {"batch": 2, "k": 1}, {"batch": 2, "k": 0}]
+
+
+def test_a_shapes_first_step_is_cold_and_its_times_teach_the_policy_nothing(tmp_path):
+    """SGLang's first steps of a (batch size, rounds, verified tokens) shape carry one-time
+    costs (a batch size's first drafting steps ran 10-28 ms over the shape's later verify
+    forwards, 2026-12-06): the controller marks a shape's first step cold, and the policy's
+    cost correction leaves its times out, while a second, equally slow step of the shape
+    moves it."""
+    timings = tmp_path / "rows.jsonl"
+    policy = SpecServePolicy(COST, 3)
+    ctl = StepController(policy, 3, sweep=(2,), timings_path=str(timings),
+                         draft_cost=COST.draft)
+    corr = policy.correction
+    assert corr is not None
+
+    def step(rids: list[str], verify: float) -> dict:
+        d = ctl.begin(rids, [300] * len(rids), [None] * len(rids))
+        d.add_times(draft=0.01, verify=verify)
+        ctl.finish(d, [1] * len(rids), now=d.started + verify + 0.012)
+        return json.loads(timings.read_text().splitlines()[-1])
+
+    before = (corr.theta_target, corr.theta_verify, corr.verify_fixed)
+    assert step(["a", "b"], 0.3)["cold"]  # a slow first step of its shape
+    assert (corr.theta_target, corr.theta_verify, corr.verify_fixed) == before
+    assert not step(["a", "b"], 0.3)["cold"]  # the shape again, as slow: evidence now
+    assert (corr.theta_target, corr.theta_verify, corr.verify_fixed) != before
+    assert step(["a", "b", "c"], 0.1)["cold"]  # another batch size: another shape
+
+
+def test_sglang_profile_leaves_cold_steps_out_of_its_fit(tmp_path):
+    """A shape's first step (the timings row's `cold`) is no sample of what it costs."""
+    from sloserve.cli.sglang_profile import fit_rows
+
+    rows = [{"batch": B, "k": k, "context": 100 * B, "verify": 0.05 + 0.002 * B * (k + 1),
+             "extend": 0.0, "draft": 0.004 * k, "catch_up_rows": 0,
+             "step": 0.052 + 0.002 * B * (k + 1) + 0.004 * k}
+            for B in (1, 2, 4, 8) for k in range(4) for _ in range(8)]
+    for name in ("t", "d"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+    args = (str(tmp_path / "t"), str(tmp_path / "d"), "cpu", "float32", [1, 2, 4, 8])
+    clean = fit_rows(rows, *args)
+    slow = [dict(r, verify=3 * r["verify"], step=3 * r["step"], cold=True) for r in rows[::8]]
+    assert fit_rows(rows + slow, *args).target.cost == clean.target.cost
+    assert fit_rows(rows + [dict(r, cold=False) for r in slow],
+                    *args).target.cost != clean.target.cost
