@@ -215,15 +215,17 @@ def load_cost(target_path: str, draft_path: str, device: str, dtype: str,
 # (2-core EPYC, 2026-12-06) it kept the plan from every ragged choice at batch 4 (48 of 895
 # steps drafted ragged, 9 draft tokens of 5,781 trimmed) and the per-request mode ran 4-6%
 # more ms a token than with 0 (in-server medians of two starts at C = 4 and 1), which also
-# ran at or above the uniform mode's (BENCHMARKS.md)
+# ran at or above the uniform mode's (BENCHMARKS.md). Measured with the draft model only:
+# the n-gram drafter's looked-up chains keep the 6% until measured
 SGLANG_UNIFORM_MARGIN = "0"
 
 
 def policy_options(cfg: WorkerConfig) -> tuple[tuple[str, str], ...]:
     """The policy's options in the worker: the config's, with SGLANG_UNIFORM_MARGIN for a
-    SpecServe policy's per-request steps unless the config sets uniform_margin."""
+    SpecServe policy's per-request steps with the draft model unless the config sets
+    uniform_margin."""
     options = tuple(cfg.spec.options)
-    if (cfg.per_request and takes_options(cfg.spec.policy)
+    if (cfg.per_request and cfg.drafter == "model" and takes_options(cfg.spec.policy)
             and all(name != "uniform_margin" for name, _ in options)):
         options = (("uniform_margin", SGLANG_UNIFORM_MARGIN), *options)
     return options

@@ -446,9 +446,10 @@ def test_policy_options_travel_in_the_one_config(monkeypatch):
 
 
 def test_per_request_steps_in_sglang_default_to_no_uniform_margin(monkeypatch):
-    """Inside SGLang a SpecServe policy's per-request steps run with uniform_margin 0
-    (settings.SGLANG_UNIFORM_MARGIN: measured on the real pair) unless the user sets it;
-    uniform steps and the built-in engine keep SpecServeOptions' default."""
+    """Inside SGLang a SpecServe policy's per-request steps with the draft model run with
+    uniform_margin 0 (settings.SGLANG_UNIFORM_MARGIN: measured on the real pair) unless the
+    user sets it; uniform steps, the n-gram drafter and the built-in engine keep
+    SpecServeOptions' default."""
     monkeypatch.setattr("sloserve.cli.sglang_launch.cuda_available", lambda: False)
 
     def margin(*flags: str) -> float | None:
@@ -463,6 +464,7 @@ def test_per_request_steps_in_sglang_default_to_no_uniform_margin(monkeypatch):
     assert margin() == 0.0  # per-request by default (previous test)
     assert margin("--spec-lengths", "uniform") == default
     assert margin("--spec-options", "uniform_margin=0.1") == pytest.approx(0.1)
+    assert margin("--drafter", "ngram") == default  # measured with the draft model only
     _, env = sglang_args(["--spec-policy", "fixed:2"])  # a policy without options
     assert settings.policy_options(settings.WorkerConfig.from_json(
         env[settings.ENV_CONFIG])) == ()
