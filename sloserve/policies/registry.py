@@ -164,7 +164,7 @@ def make_policy(spec: str, cost: CostModel, *, k_max: int, drafter: str = "model
     builder = _BUILDERS.get(name)
     if builder is None or (sep and not arg):
         raise ValueError(f"unknown speculation policy {spec!r}; valid: {SPEC_GRAMMAR}")
-    if options and name not in _TAKES_OPTIONS:
+    if options and not takes_options(name):
         raise ValueError(f"policy {name!r} takes no options (only {', '.join(_TAKES_OPTIONS)})")
     token = _OPTIONS.set(tuple(options))
     try:
