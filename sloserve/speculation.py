@@ -63,6 +63,10 @@ class StepInfo:
     # [B] float64 seconds this step may take for request r, where a policy derived it from
     # the SLO (specserve-slo: SLO + slack, scaled by the expected tokens); None: tpot_slo
     step_allowance: np.ndarray | None = None
+    # [B] float64 seconds this step may take for request r if r drafts nothing in it (one
+    # token from the step), where a policy's allowance counted r's expected draft tokens;
+    # None: the same as step_limits
+    one_token_limits: np.ndarray | None = None
 
     @property
     def batch_size(self) -> int:
@@ -93,6 +97,10 @@ class VerifyOutcome:
     # steps ran 10-28 ms over the same shape's later verify forwards, 2026-12-06), so they
     # are no evidence of what the shape costs; the step's tokens and acceptance still are
     cold: bool = False
+    # the caller's clock at the step's end in seconds (time.perf_counter for an engine, the
+    # simulated time for the simulator), None where not told: the SLO policies count a
+    # request's TPOT seconds from it, the time between its steps included (request_clock.py)
+    end_time: float | None = None
 
 
 class SpecPlan(ABC):
@@ -287,10 +295,11 @@ class SpecSession:
     # ----- the end of the step
     def finish(self, accepted: np.ndarray | Sequence[int], step_time: float,
                draft_time: float, verify_time: float | None = None,
-               cold: bool = False) -> VerifyOutcome:
+               cold: bool = False, end_time: float | None = None) -> VerifyOutcome:
         """The verify outcome (accepted drafts per request, bonus excluded; clipped to the
         verified ones) handed to the policy's observe; returned to the caller. cold: the
-        step's shape ran for the first time (VerifyOutcome.cold)."""
+        step's shape ran for the first time (VerifyOutcome.cold); end_time: the caller's
+        clock at the step's end (VerifyOutcome.end_time)."""
         if self.outcome is not None:
             raise RuntimeError("the session's step already finished")
         verified = self.verified if self.verified is not None else self.verify_lengths()
@@ -303,7 +312,7 @@ class SpecSession:
             drafted=self.drafted.copy(), verified=verified.copy(),
             accepted=np.minimum(np.asarray(accepted, dtype=np.int64), verified),
             confidences=conf, step_time=step_time, draft_time=draft_time,
-            verify_time=verify_time, cold=cold)
+            verify_time=verify_time, cold=cold, end_time=end_time)
         t = time.perf_counter()
         self.policy.observe(self.plan, outcome)
         self.policy_time += time.perf_counter() - t

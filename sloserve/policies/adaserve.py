@@ -206,7 +206,7 @@ class AdaServePolicy(SpecPolicy):
     def observe(self, plan: SpecPlan, outcome: VerifyOutcome) -> None:
         self.g.update(outcome.confidences, outcome.verified, outcome.accepted)
         self.clock.record(plan.step.request_ids, outcome.step_time,
-                          np.asarray(outcome.accepted) + 1)
+                          np.asarray(outcome.accepted) + 1, outcome.end_time)
 
     def release(self, request_id: str) -> None:
         self.clock.release(request_id)

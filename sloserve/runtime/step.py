@@ -199,7 +199,8 @@ class StepRunner:
                   verify_time: float) -> None:
         s = self.stats
         s.draft_forwards += draft.forwards if isinstance(self.drafter, ModelDrafter) else 0
-        draft.session.finish(accepted, step_time, draft.draft_time, verify_time)
+        draft.session.finish(accepted, step_time, draft.draft_time, verify_time,
+                             end_time=time.perf_counter())
         s.policy_time_total += draft.policy_time
 
     def _process(self, reqs: list[Request], chains: list[list[int]], rows: list[slice],

@@ -231,7 +231,8 @@ class StepController:
         cold = shape not in self._shapes
         self._shapes.add(shape)
         outcome = s.finish(num_correct_drafts, step_time - step.catch_up_time, drafting,
-                           step.verify_time if step.verify_time > 0.0 else None, cold=cold)
+                           step.verify_time if step.verify_time > 0.0 else None, cold=cold,
+                           end_time=end)
         drafted, verified, accepted = outcome.drafted, outcome.verified, outcome.accepted
         if self.on_outcome is not None:
             self.on_outcome(drafted, verified, accepted)
@@ -256,6 +257,9 @@ class StepController:
             guard = getattr(self.policy, "guard", None)
             if guard is not None:  # the SLO rule's overrun scale after this step
                 row["overrun"] = round(guard.scale, 4)
+            stalls = getattr(self.policy, "stalls", None)
+            if stalls is not None:  # seconds between steps the SLO rule now expects
+                row["stall"] = round(stalls.mean, 6)
             if step.chain_conf is not None and step.chain_conf.shape[1] == step.rounds:
                 # the chain's confidences [B][k] and each request's accepted drafts
                 row["conf"] = _jsonable(step.chain_conf)

@@ -135,7 +135,7 @@ class SimStepRunner:
             slo = binding_tpot(decodes, self.cfg.tpot_slo)
         account_step(self.stats, decodes, draft, accepted, dt, len(prefills), slo, end)
         if draft is not None:
-            draft.session.finish(accepted, dt, draft_time, verify_time)
+            draft.session.finish(accepted, dt, draft_time, verify_time, end_time=end)
         return dt
 
     def _speculate(self, decodes: list[Request], prefill_tokens: int,

@@ -17,7 +17,7 @@ from sloserve.policies.adaserve import (
     step_depth,
 )
 from sloserve.policies.registry import make_policy
-from sloserve.policies.request_clock import RequestClock
+from sloserve.policies.request_clock import RequestClock, StepStalls
 from sloserve.policies.specserve import SpecServePolicy
 from sloserve.policies.specserve.budgets import expected_allowance, step_budgets
 from sloserve.policies.specserve.slo_policy import SloSpecServePolicy
@@ -46,6 +46,36 @@ def test_clock_slack_and_release():
     np.testing.assert_allclose(clock.progress(["a"])[0], [0.0])
 
 
+def test_clock_counts_the_time_between_a_requests_steps():
+    """With end times told, a request's seconds are the wall time since its previous step's
+    end (another request's prefill between two decode steps included); its first step, or a
+    step without an end time, counts the step alone."""
+    clock = RequestClock()
+    clock.track(["a"])
+    clock.record(["a"], 0.05, np.array([1]), end_time=10.05)  # first step: its own 50 ms
+    clock.track(["b"])
+    # 30 ms of b's prefill, then a 50 ms step of both
+    clock.record(["a", "b"], 0.05, np.array([1, 1]), end_time=10.13)
+    elapsed, tokens = clock.progress(["a", "b"])
+    np.testing.assert_allclose(elapsed, [0.05 + 0.08, 0.05])
+    np.testing.assert_allclose(tokens, [2, 1])
+    clock.record(["a", "b"], 0.05, np.array([1, 1]))  # no end time: the step's own
+    np.testing.assert_allclose(clock.progress(["a", "b"])[0], [0.18, 0.10])
+
+
+def test_stalls_learn_the_time_between_steps_of_continuing_requests():
+    stalls = StepStalls(ema=0.5)
+    stalls.record(["a"], 0.05, None)  # no end time: nothing learnt
+    assert stalls.mean == 0.0
+    stalls.record(["a"], 0.05, 1.0)
+    stalls.record(["a", "b"], 0.05, 1.09)  # 40 ms between the two steps
+    assert stalls.mean == pytest.approx(0.5 * 0.04)
+    stalls.record(["c"], 0.05, 5.0)  # nobody continued (the engine idled): not a stall
+    assert stalls.mean == pytest.approx(0.02)
+    stalls.record(["c"], 0.05, 5.05)  # back to back
+    assert stalls.mean == pytest.approx(0.01)
+
+
 # ----- budgets
 def test_budgets_spend_a_share_of_slack_and_all_of_a_deficit():
     b = step_budgets(np.array([0.05, 0.05, INF]), np.array([0.2, -0.01, INF]), plain_time=0.02,
@@ -53,12 +83,12 @@ def test_budgets_spend_a_share_of_slack_and_all_of_a_deficit():
     np.testing.assert_allclose(b, [0.05 + 0.1, 0.04, INF])
 
 
-def test_a_request_no_plan_can_keep_binds_nothing():
+def test_a_request_no_plan_can_keep_is_held_to_plain_decodings_pace():
     b = step_budgets(np.array([0.01, 0.05]), np.array([0.0, 0.0]), plain_time=0.02)
-    assert b[0] == INF and b[1] == pytest.approx(0.05)
+    assert b[0] == pytest.approx(0.02) and b[1] == pytest.approx(0.05)
     # behind by more than plain leaves: the same
     b = step_budgets(np.array([0.05]), np.array([-0.04]), plain_time=0.02)
-    assert b[0] == INF
+    assert b[0] == pytest.approx(0.02)
 
 
 def test_allowance_scales_a_budget_by_one_plus_predicted_acceptance():
@@ -66,22 +96,112 @@ def test_allowance_scales_a_budget_by_one_plus_predicted_acceptance():
     np.testing.assert_allclose(a, [0.08, INF, 0.10])  # acceptance clipped to [0, 1]
 
 
-def test_slo_policy_allows_longer_steps_than_specserve_on_one_slo():
-    """One SLO, every request new: specserve holds the step to the SLO (one token each in the
-    worst case); specserve-slo allows SLO * (1 + prior), the step within which each request's
-    expected TPOT stays within its SLO, so it drafts at least as deep and here deeper."""
-    step = make_step(12, slo=0.2, ids=[f"n{i}" for i in range(12)])
+def test_a_stall_shares_the_budget_with_the_step():
+    """A step and the stall after it make one token's TPOT: the allowance leaves the stall
+    out, and the budget's floor is the plain step with its stall."""
+    b = step_budgets(np.array([0.05, 0.03]), np.array([0.0, 0.0]), plain_time=0.02,
+                     stall=0.015)
+    np.testing.assert_allclose(b, [0.05, 0.035])  # 0.03 < 0.02 + 0.015
+    a = expected_allowance(b, np.array([0.6, 0.6]), stall=0.015)
+    np.testing.assert_allclose(a, [0.05 * 1.6 - 0.015, 0.035 * 1.6 - 0.015])
+
+
+@pytest.mark.parametrize("name", ["specserve", "specserve-slo"])
+def test_stalls_between_steps_hold_speculation_back(name):
+    """The same batch, SLO and plain steps, with and without a stall after each step (SGLang's
+    prefills between decode steps: a request's TPOT counts them) that puts the requests
+    behind their SLO: the SLO rules then allow shorter steps and plan no more drafts
+    (specserve, held to the SLO less the stall, fewer)."""
+    ids = [f"r{i}" for i in range(4)]
+    step = make_step(4, slo=0.2, ids=ids)
+    plain = StepTimer(COST, step).plain
+
+    def after(stall: float) -> tuple[float, int]:
+        policy = (SpecServePolicy(COST, 8, prior=0.8) if name == "specserve"
+                  else SloSpecServePolicy(COST, 8, prior=0.8))
+        end = 0.0
+        for _ in range(100):  # plain steps, each followed by `stall` seconds
+            plan = policy.plan(step)
+            end += plain + stall
+            policy.observe(plan, dataclasses.replace(plain_outcome(4, plain), end_time=end))
+        limit = float(np.min(policy.plan(step).step.step_limits))
+        out = drive_step(policy, step, SyntheticWorkload(np.random.default_rng(5)),
+                         np.full(4, 0.8))
+        return limit, int(out.drafted.sum())
+
+    free, stalled = after(0.0), after(0.2 - plain + 0.01)
+    assert free[1] > 0
+    assert stalled[0] < free[0]
+    assert stalled[1] < free[1] if name == "specserve" else stalled[1] <= free[1]
+
+
+def test_slo_policy_allows_longer_steps_than_specserve_once_requests_saved_slack():
+    """One SLO. New requests (nothing saved) hold specserve-slo's step to the SLO as
+    specserve's worst case does; after a step that ran well within it, each request may spend
+    its slack on a step of up to (SLO + share * slack) * (1 + prior), capped by the slack:
+    specserve-slo then drafts at least as deep, here deeper."""
+    ids = [f"n{i}" for i in range(12)]
+    step = make_step(12, slo=0.2, ids=ids)
     timer = StepTimer(COST, step)
     # the SLO binds specserve (its guard halves it until steps are measured) below k = 2
     assert timer.uniform(8)[1] < 0.2 / 2 < timer.uniform(8)[2] < 0.2 * 1.8 / 2
     slo = SloSpecServePolicy(COST, 8, prior=0.8)
-    np.testing.assert_allclose(slo.budgets(step), 0.2 * 1.8)
+    np.testing.assert_allclose(slo.budgets(step), 0.2)  # new: the one-token worst case
+    slo.observe(slo.plan(step), plain_outcome(12, 0.05))  # 150 ms saved each
+    pred = slo.history.values[slo.history.slots(ids, 0.0)]
+    budget = 0.2 + slo.slack_share * 0.15
+    np.testing.assert_allclose(slo.budgets(step), budget + np.minimum(budget * pred, 0.15))
     mean = np.full(12, 0.8)
     out_base = drive_step(SpecServePolicy(COST, 8, prior=0.8), step,
                           SyntheticWorkload(np.random.default_rng(3)), mean)
     out_slo = drive_step(slo, step, SyntheticWorkload(np.random.default_rng(3)), mean)
     assert out_base.drafted.any()  # the comparison says something: both speculate
     assert out_slo.drafted.sum() > out_base.drafted.sum()
+
+
+def test_the_expected_tokens_part_of_an_allowance_is_capped_by_the_slack():
+    """Past its budget a request allows what its expected tokens pay for only as far as its
+    saved seconds cover a step that gives it one token; at the floor (no plan keeps it) all
+    of it: plain decoding's pace in expectation."""
+    budget = np.array([0.05, 0.05, 0.03, INF])
+    a = expected_allowance(budget, np.array([0.6, 0.6, 0.5, 0.5]), stall=0.01,
+                           slack=np.array([0.0, 0.02, -0.5, INF]), floor=0.03)
+    np.testing.assert_allclose(a, [0.05 - 0.01, 0.05 + 0.02 - 0.01, 0.03 * 1.5 - 0.01, INF])
+
+
+def test_a_request_that_drafts_nothing_holds_the_step_to_its_one_token_limit():
+    """A request's allowance counts its own expected draft tokens; one the plan does not draft
+    for gets one token from the step, so the step is held to its one-token limit (its budget
+    less the stall) while the drafters are held to their allowances. Random batches of
+    mixed SLOs and predictions: whenever a step drafts, its planned time is within both."""
+    rng = np.random.default_rng(4)
+    policy = SloSpecServePolicy(COST, 8)
+    subsets = 0
+    for t in range(120):
+        B = int(rng.integers(2, 12))
+        ids = [f"q{t}-{i}" for i in range(B)]
+        step = make_step(B, slo=rng.uniform(0.02, 0.3, B), ids=ids)
+        slots = policy.history.slots(ids, fill=policy.prior)
+        policy.history.values[slots] = rng.uniform(0.05, 0.95, B)
+        allow, one = policy.limits(step)
+        scale = policy.guard.scale
+        plan = policy.plan(step)
+        drafting, drafted = plan.drafting, np.zeros(B, dtype=np.int64)
+        conf = rng.uniform(0.05, 0.95, (B, 8))
+        while drafting.any() and drafted.max() < 8:
+            drafted += drafting
+            j = int(drafted.max())
+            drafting = plan.extend(np.where(drafted[:, None] >= np.arange(1, j + 1), conf[:, :j],
+                                            np.nan), drafting)
+        plan_time = plan.time
+        drafted = drafted > 0
+        if not drafted.any():
+            continue
+        assert plan_time <= allow[drafted].min() / scale + 1e-12
+        if (~drafted).any():
+            subsets += 1
+            assert plan_time <= one[~drafted].min() / scale + 1e-12
+    assert subsets > 0  # plans that left some requests out were checked
 
 
 def test_a_hopeless_tight_request_does_not_turn_speculation_off_for_the_batch():
@@ -103,11 +223,13 @@ def test_slack_lets_a_request_allow_a_longer_step():
     policy.plan(step)
     policy.observe(policy.plan(step), plain_outcome(2, 0.1))  # 1 token in 0.1 s: 0.4 s ahead
     budgets = policy.budgets(step)
-    expected_tokens = 1.0 + policy.history.values[policy.history.slots(["fast", "new"], 0.0)]
-    np.testing.assert_allclose(budgets, (0.5 + policy.slack_share * 0.4) * expected_tokens)
+    pred = policy.history.values[policy.history.slots(["fast", "new"], 0.0)]
+    budget = 0.5 + policy.slack_share * 0.4
+    np.testing.assert_allclose(budgets, budget + np.minimum(budget * pred, 0.4))
+    assert (budgets > 0.5).all()
     policy.release("fast")
-    policy.plan(step)  # "fast" is new again
-    assert policy.budgets(step)[0] == pytest.approx(0.5 * (1.0 + policy.prior))
+    policy.plan(step)  # "fast" is new again: nothing saved, the one-token worst case
+    assert policy.budgets(step)[0] == pytest.approx(0.5)
 
 
 # ----- AdaServe's selection

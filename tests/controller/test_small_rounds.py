@@ -103,3 +103,28 @@ def test_small_batch_path_decides_as_the_numpy_path(cost, options):
                                small_path.history.values[:32], rtol=1e-9)
     assert numpy_path.prior == pytest.approx(small_path.prior, rel=1e-9)
     assert {0, 1, 2} <= exercised  # plain steps, one draft round and more were all compared
+
+
+def test_small_batch_path_decides_as_the_numpy_path_with_per_request_limits():
+    """specserve-slo's plans hold a first round's prefix of drafters to their allowances and
+    the others to their one-token limits (StepInfo.one_token_limits): both paths alike."""
+    from sloserve.policies.specserve.slo_policy import SloSpecServePolicy
+
+    rng = np.random.default_rng(11)
+    numpy_path = SloSpecServePolicy(KNEE, 8, small_batch=0)
+    small_path = SloSpecServePolicy(KNEE, 8, small_batch=64)
+    exercised = set()
+    for t in range(150):
+        B = int(rng.integers(1, 9))
+        step = dataclasses.replace(_random_step(rng, B, t, False),
+                                   tpot_slo=rng.uniform(0.015, 0.12, B))
+        conf = rng.beta(2.0, 1.2, (B, 8))
+        a = _run(numpy_path, step, conf, t)
+        b = _run(small_path, dataclasses.replace(step), conf, t)
+        assert a[3] is SpecServePlan and b[3] is SmallSpecServePlan
+        assert a[0] == b[0], f"step {t}: draft rounds differ"
+        assert a[1] == b[1], f"step {t}: verify lengths differ"
+        assert a[2] == pytest.approx(b[2], rel=1e-9), f"step {t}: plan tokens/time differ"
+        exercised.add(len(a[0]) - 1)
+        exercised.add("subset" if any(0 < sum(r) < B for r in a[0]) else "uniform")
+    assert {0, 1, 2, "subset"} <= exercised

@@ -15,6 +15,7 @@ from sloserve.bench.synthetic import cpu_cost_model
 from sloserve.cli.sglang_launch import sglang_args
 from sloserve.estimator.step_time import StepTimer
 from sloserve.policies.registry import make_policy
+from sloserve.policies.request_clock import STALL_EMA
 from sloserve.policies.specserve import SpecServePolicy
 from sloserve.runtime.config import EngineConfig
 from sloserve.sglang_ext import settings
@@ -68,6 +69,24 @@ def test_a_request_slo_below_a_speculative_step_turns_speculation_off():
     d = ctl.begin(["a", "b"], [302, 302], [None, 1.1 * plain])
     assert d.prepared == 0
     ctl.finish(d, [0, 0])
+
+
+def test_the_time_between_steps_reaches_the_slo_rules():
+    """A step's end on the controller's clock travels with its outcome: the policy learns the
+    stall between two decode steps (SGLang's prefill of a newcomer: 50 ms here) and the
+    request's clock counts it (request_clock.py)."""
+    ctl = StepController(make_policy("specserve-slo", COST, k_max=4), 4, 0.2)
+    d = ctl.begin(["a"], [300], [None])
+    end = d.started + 0.03
+    assert ctl.finish(d, [0], now=end).end_time == end
+    d = ctl.begin(["a", "b"], [301, 40], [None, None])
+    d.started = end + 0.05  # the newcomer's prefill ran in between
+    ctl.finish(d, [0, 0], now=d.started + 0.03)
+    policy = ctl.policy
+    assert policy.stalls.mean == pytest.approx(STALL_EMA * 0.05)
+    elapsed, tokens = policy.clock.progress(["a", "b"])
+    np.testing.assert_allclose(elapsed, [0.03 + 0.08, 0.03])
+    np.testing.assert_allclose(tokens, [2, 1])
 
 
 def test_per_request_steps_are_reported_once_and_dropped_at_finish():

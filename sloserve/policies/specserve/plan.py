@@ -92,6 +92,15 @@ class SpecServePlan(SpecPlan):
                                lag_credit)
         self.lag_credit = lag_credit
         self.slo = slo / inputs.slo_scale
+        # per-request limits ([B] each, guarded) where a request's allowance counted its own
+        # expected draft tokens (specserve-slo): a first round's prefix of drafters is held
+        # to min(their allowances, the others' one-token limits), the rounds after it to the
+        # limit of the prefix it chose (self.slo); None: one limit for all, self.slo
+        self.split_limits: tuple[np.ndarray, np.ndarray] | None = None
+        if step.one_token_limits is not None and B:
+            self.split_limits = (np.asarray(step.step_limits, dtype=np.float64) / inputs.slo_scale,
+                                 np.asarray(step.one_token_limits, dtype=np.float64)
+                                 / inputs.slo_scale)
         self.slots = slots  # [B] the requests' rows in the policy's history (read-only)
         self.pred = pred  # [B], owned by the plan
         # [B] the predictions a first draft round is planned at (a request none of whose own
@@ -264,7 +273,10 @@ class SpecServePlan(SpecPlan):
         margin = 1.0 + opts.start_margin if j == 0 else 1.0
         score = tokens / (time - self.unscored)  # E of each prefix
         current = self.tokens / (self.time - self.unscored) * margin
-        if self.slo < float("inf"):
+        limit = self._prefix_limits(order) if j == 0 and self.split_limits is not None else None
+        if limit is not None:
+            score[time > limit] = -np.inf
+        elif self.slo < float("inf"):
             score[time > self.slo] = -np.inf
         best = int(score.argmax())
         if opts.uniform_margin:
@@ -274,6 +286,8 @@ class SpecServePlan(SpecPlan):
             if full > best and score[full] * (1.0 + opts.uniform_margin) >= score[best]:
                 best = full
         drafting = np.zeros(weight.size, dtype=bool)
+        if limit is not None:  # the rounds after this one: the chosen drafters' limit
+            self.slo = float(limit[best])
         # a prefix ending in a zero-gain request always scores lower than the one before
         if score[best] <= current:
             chosen = order[: best + 1].tolist()
@@ -285,6 +299,17 @@ class SpecServePlan(SpecPlan):
         self.time = float(time[best])
         self.k_total += best + 1
         return drafting
+
+    def _prefix_limits(self, order: np.ndarray) -> np.ndarray:
+        """[B] the step-time limit of the plan where the first i + 1 requests of `order` draft
+        and the rest do not: the drafters' smallest allowance and the others' smallest
+        one-token limit (split_limits)."""
+        assert self.split_limits is not None
+        drafts, ones = self.split_limits
+        limit = np.minimum.accumulate(drafts.take(order))  # [B] over each prefix
+        rest = np.minimum.accumulate(ones.take(order)[::-1])[::-1]  # [B] over order[i:]
+        limit[:-1] = np.minimum(limit[:-1], rest[1:])  # the last prefix leaves nobody out
+        return limit
 
     def _pays_later(self, j: int, gain: list[float], pred: list[float], tokens: float,
                     time: float, current: float) -> bool:

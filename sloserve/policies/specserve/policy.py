@@ -24,6 +24,7 @@ from sloserve.estimator.acceptance import ConfidenceCalibrator
 from sloserve.estimator.cost_model import CostModel
 from sloserve.estimator.online_cost import PROFILE_MAX_SCALE, ROUGH_MAX_SCALE, StepCostCorrection
 from sloserve.estimator.step_time import draft_time
+from sloserve.policies.request_clock import StepStalls
 from sloserve.policies.request_table import RequestTable
 from sloserve.policies.specserve.options import (
     CALIBRATE_EVERY,
@@ -68,6 +69,9 @@ class SpecServePolicy(SpecPolicy):
             if opts.correct_cost else None)
         self.prices = Prices(cost)
         self.guard = OverrunGuard(opts.overrun_window, opts.initial_overrun)
+        # the seconds between decode steps every continuing request waits (another's
+        # prefill, scheduling): its TPOT counts them, so the SLO rule leaves them room
+        self.stalls = StepStalls()
         self._outcomes: list[tuple] = []  # verify outcomes not counted into g yet
         # log2 of the batch sizes the steps that verified drafts ran at (an EMA, weight
         # VERIFY_BATCH_EMA): where the correction's verified-token scale was learnt
@@ -85,6 +89,13 @@ class SpecServePolicy(SpecPolicy):
     # ----- the protocol
     def plan(self, step: StepInfo) -> SpecPlan:
         B = step.batch_size
+        stall = self.stalls.mean
+        if stall > 0.0 and step.step_allowance is None and B:
+            slo = np.asarray(step.tpot_slo, dtype=np.float64)
+            if np.isfinite(slo).any():
+                # the tightest-SLO rule: a request's TPOT for the step is the step and its
+                # stall (request_clock.StepStalls)
+                step = replace(step, step_allowance=slo - stall)
         ones, counts = self._shape_arrays
         if ones.size != B:
             ones, counts = self._shape_arrays = np.ones(B), np.arange(1.0, B + 1.0)
@@ -184,6 +195,7 @@ class SpecServePolicy(SpecPolicy):
         """Calibrate g, keep the per-request histories, refresh the global prior, correct
         the prices and track how much longer steps ran than the cost model said."""
         assert isinstance(plan, SpecServePlan)
+        self.stalls.record(plan.step.request_ids, outcome.step_time, outcome.end_time)
         # calibration outcomes are counted a few steps at a time (options.py)
         self._outcomes.append((outcome.confidences, outcome.verified, outcome.accepted))
         if len(self._outcomes) >= CALIBRATE_EVERY:

@@ -37,26 +37,36 @@ class SloSpecServePolicy(SpecServePolicy):
 
     def budgets(self, step: StepInfo) -> np.ndarray:
         """[B] the step time each request allows this step, in seconds (inf: binds nothing)."""
+        return self.limits(step)[0]
+
+    def limits(self, step: StepInfo) -> tuple[np.ndarray, np.ndarray]:
+        """([B] the step time each request allows if it drafts, [B] if it drafts nothing and
+        gets one token from the step), seconds (inf: binds nothing)."""
         slo = np.asarray(step.tpot_slo, dtype=np.float64)
         if not np.isfinite(slo).any():
-            return slo.copy()
+            return slo.copy(), slo.copy()
         plain = StepTimer(self._current_prices(step.batch_size).cost, step).plain * self.guard.scale
-        budget = step_budgets(slo, self.clock.slack(step.request_ids, slo), plain,
-                              self.slack_share)
+        stall = self.stalls.mean
+        slack = self.clock.slack(step.request_ids, slo)
+        budget = step_budgets(slo, slack, plain, self.slack_share, stall)
         predicted = self.history.values[self.history.slots(step.request_ids, fill=self.prior)]
-        return expected_allowance(budget, predicted)
+        return (expected_allowance(budget, predicted, stall, slack, plain + stall),
+                budget - stall)
 
     def plan(self, step: StepInfo) -> SpecPlan:
         self.clock.track(step.request_ids)
         if step.batch_size == 0:
             return super().plan(step)
-        # the allowance is a step time, not an SLO: it travels as step_allowance
-        return super().plan(replace(step, step_allowance=self.budgets(step)))
+        # the allowances are step times, not SLOs: they travel as step_allowance (a request
+        # that drafts) and one_token_limits (one that does not: no expected tokens of its
+        # own pay for a longer step)
+        allow, one = self.limits(step)
+        return super().plan(replace(step, step_allowance=allow, one_token_limits=one))
 
     def observe(self, plan: SpecPlan, outcome: VerifyOutcome) -> None:
         super().observe(plan, outcome)
         self.clock.record(plan.step.request_ids, outcome.step_time,
-                          np.asarray(outcome.accepted) + 1)
+                          np.asarray(outcome.accepted) + 1, outcome.end_time)
 
     def release(self, request_id: str) -> None:
         super().release(request_id)

@@ -126,7 +126,11 @@ class SmallSpecServePlan(SpecServePlan):
         un = self.unscored
         score = [tk / (tm - un) for tk, tm in zip(tokens, time)]
         current = self.tokens / (self.time - un) * margin
-        if self.slo < float("inf"):
+        limit = self._prefix_limits_small(order) if j == 0 and self.split_limits is not None \
+            else None
+        if limit is not None:
+            score = [-np.inf if tm > lim else s for s, tm, lim in zip(score, time, limit)]
+        elif self.slo < float("inf"):
             score = [-np.inf if tm > self.slo else s for s, tm in zip(score, time)]
         best = 0
         for m in range(1, B):
@@ -137,6 +141,8 @@ class SmallSpecServePlan(SpecServePlan):
             if full > best and score[full] * (1.0 + opts.uniform_margin) >= score[best]:
                 best = full
         drafting = np.zeros(B, dtype=bool)
+        if limit is not None:  # the rounds after this one: the chosen drafters' limit
+            self.slo = limit[best]
         if score[best] <= current:
             chosen = order[: best + 1]
             if not (opts.lookahead and self._pays_later(
@@ -147,6 +153,22 @@ class SmallSpecServePlan(SpecServePlan):
         self.time = time[best]
         self.k_total += best + 1
         return drafting
+
+    def _prefix_limits_small(self, order: list[int]) -> list[float]:
+        """plan.py's `_prefix_limits` on Python floats."""
+        assert self.split_limits is not None
+        drafts, ones = (x.tolist() for x in self.split_limits)
+        B = len(order)
+        limit = [0.0] * B
+        low = float("inf")
+        for m, i in enumerate(order):
+            low = min(low, drafts[i])
+            limit[m] = low
+        low = float("inf")
+        for m in range(B - 1, 0, -1):  # ones over order[m:], for the prefix ending at m - 1
+            low = min(low, ones[order[m]])
+            limit[m - 1] = min(limit[m - 1], low)
+        return limit
 
     def _correct(self, j: int, conf: np.ndarray, drafting: np.ndarray) -> None:
         """plan.py's `_correct` on Python floats (the calibration map stays numpy's)."""
