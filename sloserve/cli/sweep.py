@@ -120,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="all: every system's server up at once, each cell replayed on all in "
                         "turn; one: one server at a time, every cell of a system before the "
                         "next (on 24 GB at most five SGLang servers fit at once)")
+    g.add_argument("--timings", action="store_true",
+                   help="SPECSERVE's servers write a JSON line of times and lengths per decode "
+                        "step to --out/server_logs/SYSTEM.timings.jsonl (the launcher's "
+                        "--spec-timings)")
     p.add_argument("--out", type=Path, default=Path("runs/sweep"))
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--resume", action="store_true",
@@ -200,6 +204,7 @@ class SGLangServers:
             Server,
             bench_prompts,
             file_stem,
+            ours,
             sglang_python,
             system_args,
         )
@@ -216,9 +221,13 @@ class SGLangServers:
         self.one_at_a_time = one_at_a_time
 
         def start(i: int, system: str) -> None:
-            server = self.servers[system] = Server(
-                python, system_args(system, target, draft, args.k_max), args.port + i,
-                logs / f"{file_stem(system)}.log")
+            server_args = system_args(system, target, draft, args.k_max)
+            if getattr(args, "timings", False) and ours(system):
+                timings = logs / f"{file_stem(system)}.timings.jsonl"
+                timings.unlink(missing_ok=True)
+                server_args += ["--spec-timings", str(timings.resolve())]
+            server = self.servers[system] = Server(python, server_args, args.port + i,
+                                                   logs / f"{file_stem(system)}.log")
             server.wait()
             print(f"[{system}] server up at {server.url}", flush=True)
 
@@ -261,8 +270,9 @@ class Checkpoint:
         self.out: Path = args.out
         self.out.mkdir(parents=True, exist_ok=True)
         self.runs_path = self.out / "runs.jsonl"
+        # (the servers' timings lines change nothing a run replays)
         settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                    if k not in ("out", "resume", "no_plots")}
+                    if k not in ("out", "resume", "no_plots", "timings")}
         if args.target != "sim":  # measured runs of one sweep come from one machine
             from sloserve.bench.common import cpu_model
 

@@ -40,7 +40,7 @@ def test_sweep_replays_the_same_requests_on_every_sglang_server(sglang_python,
            "--trace", str(TRACE), "--loads", "1", "--rate-unit", "ar", "--seeds", "0",
            "--requests", "8", "--output-scale", "0.1", "--output-max", "12",
            "--tpot-slo-ms", "200", "--ttft-slo-ms", "5000", "--port", "29877",
-           "--out", str(out), "--no-plots", "--servers", "one"]
+           "--out", str(out), "--no-plots", "--servers", "one", "--timings"]
     env = {**os.environ, "SLOSERVE_SGLANG_PYTHON": sglang_python}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=1500)
@@ -60,5 +60,14 @@ def test_sweep_replays_the_same_requests_on_every_sglang_server(sglang_python,
     plain = (logs / "plain.log").read_text(errors="replace")
     assert "--speculative-algorithm SPECSERVE" in spec
     assert "--speculative-algorithm" not in plain
+    # --timings: SPECSERVE's server wrote a line per decode step, the stall between steps
+    # its SLO rule learnt among them (request_clock.StepStalls); SGLang's plain server none
+    assert sorted(p.name for p in logs.glob("*.timings.jsonl")) == [
+        "sloserve-ngram-specserve-slo-per-request.timings.jsonl"]
+    rows = [json.loads(line) for line in
+            (logs / "sloserve-ngram-specserve-slo-per-request.timings.jsonl").read_text()
+            .splitlines()]
+    assert rows and all(r["stall"] >= 0.0 for r in rows)
+    assert any(r["stall"] > 0.0 for r in rows)  # 8 requests' prefills between decode steps
     records = (out / "runs.jsonl").read_text().splitlines()
     assert len(records) == 1 + len(runs)  # the capacity probe and every run, checkpointed
