@@ -204,6 +204,27 @@ def test_a_request_that_drafts_nothing_holds_the_step_to_its_one_token_limit():
     assert subsets > 0  # plans that left some requests out were checked
 
 
+def test_a_uniform_step_is_held_to_the_smallest_allowance():
+    """A caller that drafts one length for the whole batch (batch_rounds) has every request
+    drafting: the step's limit is the smallest allowance, whatever prefix the plan's own
+    first round had chosen under the one-token limits."""
+    rng = np.random.default_rng(9)
+    policy = SloSpecServePolicy(COST, 8)
+    for t in range(40):
+        B = int(rng.integers(2, 10))
+        ids = [f"u{t}-{i}" for i in range(B)]
+        step = make_step(B, slo=rng.uniform(0.02, 0.3, B), ids=ids)
+        policy.history.values[policy.history.slots(ids, fill=policy.prior)] = \
+            rng.uniform(0.05, 0.95, B)
+        allow, _ = policy.limits(step)
+        scale = policy.guard.scale
+        plan = policy.plan(step)
+        k = plan.batch_rounds()
+        assert plan.slo == pytest.approx(allow.min() / scale)
+        if k:
+            assert plan.time <= allow.min() / scale + 1e-12
+
+
 def test_a_hopeless_tight_request_does_not_turn_speculation_off_for_the_batch():
     """Seven loose requests and one whose SLO is below the plain step: specserve plans no
     speculation for anyone; specserve-slo lets the loose ones bind and speculates."""

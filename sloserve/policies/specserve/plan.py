@@ -92,6 +92,7 @@ class SpecServePlan(SpecPlan):
                                lag_credit)
         self.lag_credit = lag_credit
         self.slo = slo / inputs.slo_scale
+        self.slo_all = self.slo  # every request drafting (batch_rounds' uniform steps)
         # per-request limits ([B] each, guarded) where a request's allowance counted its own
         # expected draft tokens (specserve-slo): a first round's prefix of drafters is held
         # to min(their allowances, the others' one-token limits), the rounds after it to the
@@ -175,6 +176,9 @@ class SpecServePlan(SpecPlan):
         score below k = 0 and k = 2 above it). The plan's tokens, time and k_total become
         that uniform plan's."""
         B, k_max = self.step.batch_size, self.k_max
+        # every request drafts: held to the smallest allowance, not to the limit of the
+        # first round's prefix (__init__ planned one)
+        self.slo = self.slo_all
         if B == 0 or k_max <= 0:
             return 0
         times = self.timer.uniform(k_max)  # [k_max + 1]
