@@ -120,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="all: every system's server up at once, each cell replayed on all in "
                         "turn; one: one server at a time, every cell of a system before the "
                         "next (on 24 GB at most five SGLang servers fit at once)")
+    g.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="measure each server from its start (default: warmed first by closed "
+                        "loops of 2x16 requests at 16 in flight and 2 at 1, as the SGLang "
+                        "bench warms: a new batch shape's first steps run long, and "
+                        "speculation runs more shapes than plain decoding)")
     g.add_argument("--timings", action="store_true",
                    help="SPECSERVE's servers write a JSON line of times and lengths per decode "
                         "step to --out/server_logs/SYSTEM.timings.jsonl (the launcher's "
@@ -203,6 +208,7 @@ class SGLangServers:
         from sloserve.bench.sglang_specserve import (
             Server,
             bench_prompts,
+            closed_loop,
             file_stem,
             ours,
             sglang_python,
@@ -229,6 +235,10 @@ class SGLangServers:
             server = self.servers[system] = Server(python, server_args, args.port + i,
                                                    logs / f"{file_stem(system)}.log")
             server.wait()
+            if getattr(args, "warmup", True):  # not measured: the bench's warm-up
+                tokens = args.output_max or 64
+                closed_loop(server, ids, 16, 32, tokens)
+                closed_loop(server, ids, 1, 2, tokens)
             print(f"[{system}] server up at {server.url}", flush=True)
 
         self._start = lambda system: start(systems.index(system), system)
