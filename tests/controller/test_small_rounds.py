@@ -76,6 +76,19 @@ SETUP = dataclasses.replace(KNEE, verify_fixed=4e-3,
                             draft=dataclasses.replace(KNEE.draft, first=1.5e-3))
 
 
+def _compare(numpy_path, small_path, step, conf, t):
+    """Run one step through both paths, assert they decide alike, and return what the step
+    exercised: its number of draft rounds and whether a round drafted for a subset."""
+    a = _run(numpy_path, step, conf, t)
+    b = _run(small_path, dataclasses.replace(step), conf, t)
+    assert a[3] is SpecServePlan and b[3] is SmallSpecServePlan
+    assert a[0] == b[0], f"step {t}: draft rounds differ"
+    assert a[1] == b[1], f"step {t}: verify lengths differ"
+    assert a[2] == pytest.approx(b[2], rel=1e-9), f"step {t}: plan tokens/time differ"
+    B = len(conf)
+    return {len(a[0]) - 1, "subset" if any(0 < sum(r) < B for r in a[0]) else "uniform"}
+
+
 @pytest.mark.parametrize("cost", [KNEE, cpu_cost_model(), VERIFY_PATH, SETUP],
                          ids=["knee", "linear", "verify-path", "setup"])
 @pytest.mark.parametrize("options", [{}, {"uniform_margin": 0.0},
@@ -91,14 +104,7 @@ def test_small_batch_path_decides_as_the_numpy_path(cost, options):
         B = int(rng.integers(1, 9))
         step = _random_step(rng, B, t, slo_on or t % 3 == 0)
         conf = rng.beta(2.0, 1.2, (B, 8))
-        a = _run(numpy_path, step, conf, t)
-        b = _run(small_path, dataclasses.replace(step), conf, t)
-        assert a[3] is SpecServePlan and b[3] is SmallSpecServePlan
-        assert a[0] == b[0], f"step {t}: draft rounds differ"
-        assert a[1] == b[1], f"step {t}: verify lengths differ"
-        assert a[2] == pytest.approx(b[2], rel=1e-9), f"step {t}: plan tokens/time differ"
-        exercised.add(len(a[0]) - 1)
-        exercised.add("subset" if any(0 < sum(r) < B for r in a[0]) else "uniform")
+        exercised |= _compare(numpy_path, small_path, step, conf, t)
     np.testing.assert_allclose(numpy_path.history.values[:32],
                                small_path.history.values[:32], rtol=1e-9)
     assert numpy_path.prior == pytest.approx(small_path.prior, rel=1e-9)
@@ -119,12 +125,5 @@ def test_small_batch_path_decides_as_the_numpy_path_with_per_request_limits():
         step = dataclasses.replace(_random_step(rng, B, t, False),
                                    tpot_slo=rng.uniform(0.015, 0.12, B))
         conf = rng.beta(2.0, 1.2, (B, 8))
-        a = _run(numpy_path, step, conf, t)
-        b = _run(small_path, dataclasses.replace(step), conf, t)
-        assert a[3] is SpecServePlan and b[3] is SmallSpecServePlan
-        assert a[0] == b[0], f"step {t}: draft rounds differ"
-        assert a[1] == b[1], f"step {t}: verify lengths differ"
-        assert a[2] == pytest.approx(b[2], rel=1e-9), f"step {t}: plan tokens/time differ"
-        exercised.add(len(a[0]) - 1)
-        exercised.add("subset" if any(0 < sum(r) < B for r in a[0]) else "uniform")
+        exercised |= _compare(numpy_path, small_path, step, conf, t)
     assert {0, 1, 2, "subset"} <= exercised
