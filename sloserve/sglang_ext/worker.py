@@ -42,7 +42,12 @@ import torch
 
 from sloserve.runtime.models.config import hot_vocab
 from sloserve.sglang_ext import settings
-from sloserve.sglang_ext.chain_sampling import greedy_chains, processed_probs, verify_chains
+from sloserve.sglang_ext.chain_sampling import (
+    bonus_tokens,
+    greedy_chains,
+    processed_probs,
+    verify_chains,
+)
 from sloserve.sglang_ext.controller import SGLangStep, SGLangStepsPolicy, StepController
 from sloserve.sglang_ext.cpu_weights import (
     DRAFT_DTYPE_ENV,
@@ -109,11 +114,7 @@ def _argmax_acceptance(verify_input: Any, batch: Any, logits_output: Any, *args:
     """eagle_sample's triple for a verify of the bonus token alone (n = 1) in an all-greedy
     batch: each request's next token is the argmax of its one row of logits [bs, V]."""
     logits = logits_output.next_token_logits  # [bs, V]
-    bs = logits.shape[0]
-    rows = torch.arange(bs, device=logits.device)
-    no_drafts = torch.zeros(bs, dtype=torch.int64, device=logits.device)
-    return greedy_chains(logits.argmax(dim=-1), rows, verify_input.draft_token.reshape(bs, 1),
-                         no_drafts, int(verify_input.max_tree_depth))
+    return bonus_tokens(logits.argmax(dim=-1), int(verify_input.max_tree_depth))
 
 
 install_ragged_extend_metadata()

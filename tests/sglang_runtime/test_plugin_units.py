@@ -815,6 +815,25 @@ def test_greedy_chains_from_the_verified_rows_equal_the_whole_blocks_acceptance(
     assert int(got[1].max()) > 1 and int(got[1].min()) == 1  # some chains accepted, some not
 
 
+@pytest.mark.parametrize("B,depth", [(1, 1), (5, 4), (16, 9)])
+def test_bonus_tokens_equal_greedy_chains_without_drafts(B, depth):
+    """A step that drafted nothing (worker._argmax_acceptance): bonus_tokens' triple is
+    greedy_chains' with n = 1 and k = 0, and the greedy rule's over the whole block."""
+    import torch
+
+    from sloserve.sglang_ext.chain_sampling import bonus_tokens, greedy_chains
+    logits = torch.randn(B, 1, 13, generator=torch.Generator().manual_seed(B))
+    target = logits[:, 0].argmax(dim=-1)
+    cand = torch.randint(0, 13, (B, 1))
+    got = bonus_tokens(target, depth)
+    want = greedy_chains(target, torch.arange(B), cand, torch.zeros(B, dtype=torch.int64),
+                         depth)
+    ref = _greedy_reference(logits, cand, torch.zeros(B, dtype=torch.int64), depth)
+    for a, b, c in zip(got, want, ref):
+        assert a.dtype == b.dtype == torch.int32
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
 def test_sglang_profile_from_rows_refuses_what_is_not_a_sweep(tmp_path):
     """--from-rows refits a saved sweep (--rows-out); a missing file or one without step
     rows is an error naming the option, not a profile fitted on nothing."""
