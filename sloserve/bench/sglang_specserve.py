@@ -382,6 +382,16 @@ def closed_loop(server: Server, prompts: list[list[int]], concurrency: int, n: i
         "draft_steps": len(steps), "drafted": sum(steps)}])
 
 
+def warm_up(server: Server, prompts: list[list[int]], concurrency: int, new_tokens: int,
+            ignore_eos: bool = True) -> None:
+    """Run a server's first steps unmeasured: a closed loop of 2 x `concurrency` requests at
+    `concurrency`, then two at 1, so that the batch shapes the measurement meets have run
+    once (a new shape's first steps run long) and the controller's cost correction has
+    seen both ends of the batch sizes."""
+    closed_loop(server, prompts, concurrency, 2 * concurrency, new_tokens, ignore_eos)
+    closed_loop(server, prompts, 1, 2, new_tokens, ignore_eos)
+
+
 SUMS = ("wall", "requests", "tokens", "steady_s", "steady_tokens", "verify_ct", "draft_steps",
         "drafted")
 
@@ -437,8 +447,7 @@ class Running:
         self.server.wait()
         print(f"[{self.system}] server up in {time.monotonic() - t0:.0f} s; warm-up",
               flush=True)
-        closed_loop(self.server, prompts, max(levels), 2 * max(levels), new_tokens, ignore_eos)
-        closed_loop(self.server, prompts, 1, 2, new_tokens, ignore_eos)
+        warm_up(self.server, prompts, max(levels), new_tokens, ignore_eos)
 
     def measure(self, prompts: list[list[int]], c: int, new_tokens: int,
                 ignore_eos: bool, part: int = 0, parts: int = 1) -> dict:

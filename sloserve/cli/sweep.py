@@ -208,11 +208,11 @@ class SGLangServers:
         from sloserve.bench.sglang_specserve import (
             Server,
             bench_prompts,
-            closed_loop,
             file_stem,
             ours,
             sglang_python,
             system_args,
+            warm_up,
         )
         from sloserve.runtime.models.presets import resolve_pair
 
@@ -236,9 +236,7 @@ class SGLangServers:
                                                    logs / f"{file_stem(system)}.log")
             server.wait()
             if getattr(args, "warmup", True):  # not measured: the bench's warm-up
-                tokens = args.output_max or 64
-                closed_loop(server, ids, 16, 32, tokens)
-                closed_loop(server, ids, 1, 2, tokens)
+                warm_up(server, ids, 16, args.output_max or 64)
             print(f"[{system}] server up at {server.url}", flush=True)
 
         self._start = lambda system: start(systems.index(system), system)
