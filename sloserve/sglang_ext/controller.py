@@ -51,6 +51,23 @@ class RequestSpec:
     unsent_drafted: list[int] = field(default_factory=list)  # s of each, likewise
 
 
+def new_shapes(seen: set[tuple[int, int, int]], batch: int, rounds: int, verified: int) -> bool:
+    """Whether a step runs a forward shape SGLang has not run before, adding its shapes to
+    `seen`: the target forward's rows (batch + verified tokens; the decode path's and the
+    verify path's apart) and the draft's (batch size, rounds). A new one carries one-time
+    costs (kernels set up for a new row count, likely): on the 2-core AVX-512 EPYC (2026-12-06, 102
+    steps of out/s54-s55's timings) steps with a new verify row count ran +3.0 ms median
+    (+4.9 mean) over their batch size's fit, while the steps new only as a (batch size,
+    rounds, verified tokens) triple, the key before this one, ran as warm ones (-1.9 / +0.3
+    ms against -2.0 / 0.0; 542 and 11,128 steps). That key left 69% of the per-request
+    mode's drafting steps at batch 16 out of the correction (22 of 32 in one C = 16 cell),
+    whose verify the plan then priced at the profile's for ~20 steps after a change of load"""
+    keys = ((0, batch + verified, int(verified > 0)), (1, batch, rounds))
+    cold = keys[0] not in seen or keys[1] not in seen
+    seen.update(keys)
+    return cold
+
+
 @dataclass
 class SGLangStep:
     """One decode batch's speculation inside SGLang: the session and what the worker
@@ -117,8 +134,8 @@ class StepController:
     # step verifies min(forced[(i + n) % len], k_max); the plan still sees everything
     forced_lengths: tuple[int, ...] = ()
     _steps_begun: int = 0
-    # the (batch size, rounds, verified tokens) shapes SGLang has run: a step of a new one is
-    # cold (VerifyOutcome.cold), its times kept from the policy's cost correction
+    # the forward shapes SGLang has run (`new_shapes`): a step that runs a new one is cold
+    # (VerifyOutcome.cold), its times kept from the policy's cost correction
     _shapes: set[tuple[int, int, int]] = field(default_factory=set)
     _last_finish: float | None = None  # perf_counter at the last step's finish (timings)
     # a file that gets one JSON line per per-request step: the verify lengths, and for a
@@ -227,9 +244,7 @@ class StepController:
         drafting = (step.draft_time + step.extend_time - step.catch_up_time
                     if step.rounds else 0.0)
         verified_now = s.verified if s.verified is not None else s.drafted
-        shape = (B, step.rounds, int(verified_now.sum()))
-        cold = shape not in self._shapes
-        self._shapes.add(shape)
+        cold = new_shapes(self._shapes, B, step.rounds, int(verified_now.sum()))
         outcome = s.finish(num_correct_drafts, step_time - step.catch_up_time, drafting,
                            step.verify_time if step.verify_time > 0.0 else None, cold=cold,
                            end_time=end)

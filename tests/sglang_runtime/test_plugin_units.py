@@ -19,7 +19,7 @@ from sloserve.policies.request_clock import STALL_EMA
 from sloserve.policies.specserve import SpecServePolicy
 from sloserve.runtime.config import EngineConfig
 from sloserve.sglang_ext import settings
-from sloserve.sglang_ext.controller import SGLangStepsPolicy, StepController
+from sloserve.sglang_ext.controller import SGLangStepsPolicy, StepController, new_shapes
 from sloserve.slo import slos_into_custom_params, stated_slo, valid_slo
 from sloserve.spec_config import SpeculationConfig
 from sloserve.speculation import StepInfo
@@ -850,11 +850,10 @@ def test_sglang_profile_from_rows_refuses_what_is_not_a_sweep(tmp_path):
 
 
 def test_a_shapes_first_step_is_cold_and_its_times_teach_the_policy_nothing(tmp_path):
-    """SGLang's first steps of a (batch size, rounds, verified tokens) shape carry one-time
-    costs (a batch size's first drafting steps ran 10-28 ms over the shape's later verify
-    forwards, 2026-12-06): the controller marks a shape's first step cold, and the policy's
-    cost correction leaves its times out, while a second, equally slow step of the shape
-    moves it."""
+    """SGLang's first steps of a forward shape carry one-time costs (a batch size's first
+    drafting steps ran 10-28 ms over the shape's later verify forwards, 2026-12-06): the
+    controller marks a shape's first step cold, and the policy's cost correction leaves its
+    times out, while a second, equally slow step of the shape moves it."""
     timings = tmp_path / "rows.jsonl"
     policy = SpecServePolicy(COST, 3)
     ctl = StepController(policy, 3, sweep=(2,), timings_path=str(timings),
@@ -874,6 +873,23 @@ def test_a_shapes_first_step_is_cold_and_its_times_teach_the_policy_nothing(tmp_
     assert not step(["a", "b"], 0.3)["cold"]  # the shape again, as slow: evidence now
     assert (corr.theta_target, corr.theta_verify, corr.verify_fixed) != before
     assert step(["a", "b", "c"], 0.1)["cold"]  # another batch size: another shape
+
+
+def test_a_step_is_cold_only_where_a_forward_shape_is_new():
+    """The shapes are the target forward's rows (decode and verify apart) and the draft's
+    (batch size, rounds): a new split of the same verified tokens over the batch, or another
+    batch size with the same rows and rounds seen, is warm."""
+    seen: set[tuple[int, int, int]] = set()
+    assert new_shapes(seen, 4, 0, 0)  # the decode forward of 4 rows
+    assert not new_shapes(seen, 4, 0, 0)
+    assert new_shapes(seen, 4, 2, 5)  # a verify of 9 rows, the draft's 2 rounds at batch 4
+    assert not new_shapes(seen, 4, 2, 5)  # 5 verified tokens split otherwise: same shapes
+    assert new_shapes(seen, 4, 3, 5)  # 3 rounds at batch 4: a new draft shape
+    assert new_shapes(seen, 5, 2, 4)  # 9 verify rows, but 2 rounds at batch 5 are new
+    assert not new_shapes(seen, 5, 2, 4)
+    assert new_shapes(seen, 4, 2, 4)  # 8 verify rows: new
+    assert new_shapes(seen, 8, 0, 0)  # the decode forward of 8 rows, not the verify's 8
+    assert new_shapes(seen, 8, 1, 1) and not new_shapes(seen, 8, 1, 1)
 
 
 def test_sglang_profile_leaves_cold_steps_out_of_its_fit(tmp_path):
