@@ -52,6 +52,9 @@ CPU engine's flags added on machines without CUDA), float32, the same model pair
     SYSTEM/sglang-draft  a SPECSERVE system whose draft forwards run through SGLang's model
                   runner instead of sloserve's lean decoder (SLOSERVE_LEAN_DRAFT=0;
                   sloserve/sglang_ext/lean_draft.py)
+    SYSTEM/sglang-verify  a SPECSERVE system whose steps without drafting run through
+                  SGLang's verify of the bonus token instead of as plain decode steps
+                  (SLOSERVE_DECODE_STEP=0; sloserve/sglang_ext/worker.py _decode_step)
 
 SGLang's own adaptive speculation (`--speculative-adaptive`) applies only to EAGLE/EAGLE3
 in 0.5.23 (speculative/adaptive_spec_params.py: adaptive_unsupported_reason); with
@@ -111,6 +114,7 @@ from sloserve.runtime.models.cpu_linear import PAD_ENV
 from sloserve.sglang_cpu.cpu_server import stop_server, wait_ready
 from sloserve.sglang_ext.cpu_weights import DRAFT_DTYPE_ENV, LAYOUT_ENV
 from sloserve.sglang_ext.lean_draft import ENV_SWITCH as LEAN_ENV
+from sloserve.sglang_ext.settings import DECODE_STEP_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 SYSTEMS = ("plain", "standalone:1", "standalone:3", "specserve", "specserve:per-request")
@@ -142,7 +146,8 @@ def ours(system: str) -> bool:
 ENV_SUFFIXES = {"/row": (LAYOUT_ENV, "row"), "/column": (LAYOUT_ENV, "column"),
                 "/packed": (LAYOUT_ENV, "packed"), "/f32-draft": (DRAFT_DTYPE_ENV, "float32"),
                 "/pad": (PAD_ENV, "on"), "/nopad": (PAD_ENV, "off"),
-                "/torch-attn": (KERNELS_ENV, "0"), "/sglang-draft": (LEAN_ENV, "0")}
+                "/torch-attn": (KERNELS_ENV, "0"), "/sglang-draft": (LEAN_ENV, "0"),
+                "/sglang-verify": (DECODE_STEP_ENV, "0")}
 
 
 def _env_suffixes(system: str) -> tuple[str, dict[str, str]]:

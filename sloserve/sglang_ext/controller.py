@@ -89,6 +89,9 @@ class SGLangStep:
     # price, so the policy learns from the step less this
     catch_up_time: float = 0.0
     verify_time: float = 0.0  # ... of the target's verify forward
+    # the step drafted nothing and ran as a plain decode step (worker._decode_step), not
+    # through SGLang's verify of the bonus token
+    decoded: bool = False
     chain_conf: np.ndarray | None = None  # [B, k] a uniform chain's confidences (profiling)
     first_pred: list[float] | None = None  # [B] the first round's predictions (step log)
 
@@ -263,7 +266,8 @@ class StepController:
                 # seconds in the policy's Python (plan, after each round, verify lengths;
                 # observe included) and whether the plan steered the rounds
                 "policy": s.plan_time + s.policy_time,
-                "per_request": step.per_request, "gap": gap, "cold": cold}
+                "per_request": step.per_request, "gap": gap, "cold": cold,
+                "decode": step.decoded}
             corr = getattr(self.policy, "correction", None)
             if corr is not None:  # the online cost correction after this step
                 row["theta"] = [round(corr.theta_target, 4), round(corr.theta_verify, 4),

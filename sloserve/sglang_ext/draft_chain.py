@@ -453,6 +453,11 @@ class AlignedDraft:
         verify_input = batch.spec_info
         n = verify_input.draft_token_num  # s + 1 (1 after a plain step)
         window = verify_input.draft_token.to(torch.int64).reshape(-1, n)  # [bs, n]: b, d_1..d_s
+        self.committed(batch, window, batch_result)
+
+    def committed(self, batch: Any, window: torch.Tensor, batch_result: Any) -> None:
+        """The step verified window [bs, n] (b, d_1..d_s at L..L + s; n = 1: the bonus
+        alone, a step that drafted nothing): the next step's draft input and the book."""
         nxt = batch_result.next_draft_input
         stub = self._next_input(len(batch.seq_lens), nxt.bonus_tokens)
         nxt.topk_p, nxt.topk_index, nxt.hidden_states = stub.topk_p, stub.topk_index, None
@@ -534,8 +539,8 @@ class NgramDraft(AlignedDraft):
                 break
         return drafts, confs, []
 
-    def decode_extend(self, batch: Any, batch_result: Any, *, kv_loc_plan: Any = None) -> None:
-        nxt = batch_result.next_draft_input
+    def committed(self, batch: Any, window: torch.Tensor, batch_result: Any) -> None:
+        nxt = batch_result.next_draft_input  # no draft KV to keep
         stub = self._next_input(len(batch.seq_lens), nxt.bonus_tokens)
         nxt.topk_p, nxt.topk_index, nxt.hidden_states = stub.topk_p, stub.topk_index, None
 

@@ -71,6 +71,7 @@ from sglang.srt.layers.attention.intel_amx_backend import IntelAMXAttnBackend  #
 from sglang.srt.managers.scheduler_components.output_streamer import (  # noqa: E402
     SchedulerOutputStreamer,
 )
+from sglang.srt.managers.utils import GenerationBatchResult  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import (  # noqa: E402
     CaptureHiddenMode,
     ForwardBatch,
@@ -97,7 +98,8 @@ from sglang.srt.speculative.standalone_worker_v2 import StandaloneWorkerV2  # no
 
 __all__ = [
     "AdaptiveController", "CaptureHiddenMode", "DraftBackendFactory", "EagleDraftExtendInput",
-    "EagleDraftInput", "ForwardBatch", "ForwardContext", "ForwardMode", "RaggedVerifyLayout",
+    "EagleDraftInput", "ForwardBatch", "ForwardContext", "ForwardMode",
+    "GenerationBatchResult", "RaggedVerifyLayout",
     "SchedulerOutputStreamer", "StandaloneWorkerV2", "activate_rounds",
     "build_eagle_verify_input", "forward_context", "install_ragged_extend_metadata",
     "install_request_slo_fields", "install_result_hook", "per_step_draft_out_cache_loc",

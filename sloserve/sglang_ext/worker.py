@@ -30,6 +30,7 @@ draft steps in meta_info (`sloserve_draft_steps`, one entry per decode step).
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 import os
@@ -62,7 +63,11 @@ from sloserve.sglang_ext.draft_chain import (
 )
 from sloserve.sglang_ext.sglang_internals import (
     AdaptiveController,
+    CaptureHiddenMode,
+    EagleDraftInput,
+    ForwardBatch,
     ForwardMode,
+    GenerationBatchResult,
     RaggedVerifyLayout,
     SchedulerOutputStreamer,
     StandaloneWorkerV2,
@@ -107,6 +112,20 @@ def _timed(fn: Callable, record: Callable[[SGLangStep, float], None],
                 record(step, time.perf_counter() - t0)
 
     return run
+
+
+def _plain_decode(batch: Any) -> bool:
+    """Whether a decode batch whose step drafts nothing runs as a plain decode step
+    (SpecServeWorker._decode_step): all greedy, reading the logits for nothing but the
+    argmax (compact_acceptance: no grammar, penalties, bias, logprobs or watermark), with
+    each request's bonus token at hand and none of the state SGLang's verify keeps for
+    other models (sparse KV, mamba layers)."""
+    bonus = getattr(batch.spec_info, "bonus_tokens", None)
+    return (bonus is not None and bonus.numel() == len(batch.reqs) > 0
+            and not batch.spec_info.is_verify_input()
+            and getattr(batch, "hisparse_coordinator", None) is None
+            and getattr(batch, "mamba_track_indices", None) is None
+            and compact_acceptance(batch))
 
 
 def _argmax_acceptance(verify_input: Any, batch: Any, logits_output: Any, *args: Any,
@@ -176,6 +195,7 @@ class SpecServeWorker(StandaloneWorkerV2):  # type: ignore[misc]  # SGLang is un
                 logger.warning("SPECSERVE: the draft's LM head is packed for AMX kernels: "
                                "its hot vocabulary is not used")
         self.test_accept_all = cfg.test_accept_all
+        self.decode_steps = settings.decode_steps_from_env()  # _decode_step
         dw.draft = _timed(dw.draft, lambda st, t: st.add_times(draft=t), dev)
         dw._draft_extend_for_decode = _timed(dw._draft_extend_for_decode,
                                              lambda st, t: st.add_times(extend=t), dev)
@@ -209,8 +229,59 @@ class SpecServeWorker(StandaloneWorkerV2):  # type: ignore[misc]  # SGLang is un
             assert self.adaptive_controller is not None
             activate_rounds(self.adaptive_controller, step.prepared)
         batch.sloserve_step = step  # the step travels with SGLang's batch ...
-        result = super().forward_batch_generation(batch, *args, **kwargs)
+        if step is not None and step.prepared == 0 and self.decode_steps and not args \
+                and not kwargs.get(
+                "on_publish") and kwargs.get("pp_proxy_tensors") is None \
+                and _plain_decode(batch):
+            result = self._decode_step(batch, step)
+        else:
+            result = super().forward_batch_generation(batch, *args, **kwargs)
         result.sloserve_step = step  # ... and with its result, to sloserve_verified
+        return result
+
+    def _decode_step(self, batch: Any, step: SGLangStep) -> Any:
+        """A step in which nobody drafts, run as SGLang runs a decode step without
+        speculation: the target's decode forward over each request's bonus token at its
+        position L, its argmax the next bonus token, and the result SGLang's speculative
+        scheduler resolves (one token a request, no draft). SGLang's own path for it (a
+        one-node verify input, then run_eagle_verify's prepare, acceptance and bookkeeping
+        around the forward) cost ~1.1% of a step at concurrency 1 over plain decoding's
+        (py-spy, 2026-12-06, BENCHMARKS.md). Only batches `_plain_decode` admits come here;
+        the others keep SGLang's verify of the bonus token (_plain_verify)."""
+        tw = self.target_worker
+        bs = len(batch.reqs)
+        t0 = time.perf_counter()
+        bonus = batch.spec_info.bonus_tokens.reshape(bs)  # [bs] each request's next input
+        seq = batch.seq_lens  # [bs] L: committed tokens, the bonus token's position
+        # [bs] the slot SGLang reserved for position L (the verify's first slot)
+        locs = self.req_to_token_pool.req_to_token[batch.req_pool_indices.long(), seq.long()]
+        cb = copy.copy(batch)  # SGLang's batch stays as it is; the decode forward's view
+        cb.forward_mode = ForwardMode.DECODE
+        cb.input_ids, cb.out_cache_loc, cb.spec_info = bonus, locs.long(), None
+        cb.seq_lens = seq + 1  # a decode forward sees the KV length after its token's write
+        if cb.seq_lens_cpu is not None:
+            cb.seq_lens_cpu = batch.seq_lens_cpu + 1
+        if cb.seq_lens_sum is not None:
+            cb.seq_lens_sum = batch.seq_lens_sum + bs
+        if getattr(cb, "orig_seq_lens", None) is not None:
+            cb.orig_seq_lens = batch.orig_seq_lens + 1
+        fb = ForwardBatch.init_new(cb, tw.model_runner,
+                                   capture_hidden_mode=CaptureHiddenMode.NULL,
+                                   return_hidden_states_before_norm=False)
+        out = tw.forward_batch_generation(batch=None, forward_batch=fb, is_verify=True)
+        predict = out.logits_output.next_token_logits.argmax(dim=-1).to(torch.int32)  # [bs]
+        ones = torch.ones(bs, dtype=torch.int32, device=predict.device)
+        result = GenerationBatchResult(
+            logits_output=out.logits_output, next_token_ids=predict,
+            can_run_cuda_graph=False, speculative_num_draft_tokens=1,
+            next_draft_input=EagleDraftInput(bonus_tokens=predict), accept_lens=ones,
+            accept_index=torch.arange(bs, dtype=torch.int32,
+                                      device=predict.device).unsqueeze(1),
+            new_seq_lens=seq + 1, extra_keep_alive_refs=[fb])
+        t1 = time.perf_counter()
+        self.aligned.committed(batch, bonus.to(torch.int64).unsqueeze(1), result)
+        step.add_times(verify=t1 - t0, extend=time.perf_counter() - t1)
+        step.decoded = True
         return result
 
     def sloserve_verified(self, result: Any) -> None:
@@ -303,7 +374,8 @@ class SpecServeWorker(StandaloneWorkerV2):  # type: ignore[misc]  # SGLang is un
         return self._ragged_verify(batch, k, n, *args, **kwargs)
 
     def _plain_verify(self, batch, *args: Any, **kwargs: Any):
-        """A step that drafted nothing: SGLang's verify of the bonus token alone, its target
+        """A step that drafted nothing in a batch `_decode_step` does not take (sampled,
+        a grammar, logprobs, ...): SGLang's verify of the bonus token alone, its target
         forward run as the decode forward it is (one token a request at position L: the
         attention backend's decode path, not the verify path's extend over a mask)."""
         tw = self.target_worker

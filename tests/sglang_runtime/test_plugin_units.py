@@ -267,6 +267,8 @@ def test_closed_loop_benchmark_runs_each_system_as_named():
     assert system_env("plain/column") == {"SLOSERVE_CPU_WEIGHTS": "column"}
     assert system_env("sloserve/f32-draft/packed") == {
         "SLOSERVE_CPU_WEIGHTS": "packed", "SLOSERVE_CPU_DRAFT_DTYPE": "float32"}
+    assert system_env("sloserve/sglang-verify") == {"SLOSERVE_DECODE_STEP": "0"}
+    assert system_args("sloserve/sglang-verify", "T", "D") == system_args("sloserve", "T", "D")
 
     assert file_stem("sloserve-ngram::per-request/no-profile") == \
         "sloserve-ngram--per-request-no-profile"

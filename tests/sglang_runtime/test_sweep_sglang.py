@@ -69,5 +69,9 @@ def test_sweep_replays_the_same_requests_on_every_sglang_server(sglang_python,
             .splitlines()]
     assert rows and all(r["stall"] >= 0.0 for r in rows)
     assert any(r["stall"] > 0.0 for r in rows)  # 8 requests' prefills between decode steps
+    # greedy steps that drafted nothing ran as plain decode steps (worker._decode_step),
+    # and only those
+    assert all(r["decode"] == (r["k"] == 0) for r in rows)
+    assert any(r["decode"] for r in rows), [r["k"] for r in rows]
     records = (out / "runs.jsonl").read_text().splitlines()
     assert len(records) == 1 + len(runs)  # the capacity probe and every run, checkpointed
