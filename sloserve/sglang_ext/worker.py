@@ -229,10 +229,13 @@ class SpecServeWorker(StandaloneWorkerV2):  # type: ignore[misc]  # SGLang is un
             assert self.adaptive_controller is not None
             activate_rounds(self.adaptive_controller, step.prepared)
         batch.sloserve_step = step  # the step travels with SGLang's batch ...
-        if step is not None and step.prepared == 0 and self.decode_steps and not args \
-                and not kwargs.get(
-                "on_publish") and kwargs.get("pp_proxy_tensors") is None \
-                and _plain_decode(batch):
+        # a step nobody drafts in, driven synchronously (no overlap publish, no pipeline
+        # stages: SPECSERVE runs neither), as a plain decode step where the batch allows
+        plain = (step is not None and step.prepared == 0 and self.decode_steps and not args
+                 and kwargs.get("on_publish") is None
+                 and kwargs.get("pp_proxy_tensors") is None and _plain_decode(batch))
+        if plain:
+            assert step is not None
             result = self._decode_step(batch, step)
         else:
             result = super().forward_batch_generation(batch, *args, **kwargs)
