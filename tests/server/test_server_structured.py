@@ -41,6 +41,11 @@ def servers(tiny_pair):
     for policy in POLICIES:
         cfg = dataclasses.replace(tiny_config(tiny_pair, tpot_slo=0.05), spec_policy=policy,
                                   constrained_json_disable_any_whitespace=True)
+        if policy == "specserve":
+            # its plans from the rough cost estimate alone, not corrected online from this
+            # machine's step times: the tests assert that it drafted, and corrected on a fast
+            # machine it rightly drafted nothing for the last requests (n = 2, 2026-12-06)
+            cfg = dataclasses.replace(cfg, spec_options=(("correct_cost", "false"),))
         out[policy] = start_server(Engine(cfg))
     yield out
     for srv in out.values():
