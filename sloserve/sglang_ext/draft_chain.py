@@ -314,6 +314,12 @@ class AlignedDraft:
         fb.return_logprob = False
         return logits32(dw.draft_runner.forward(fb).logits_output.next_token_logits)  # [bs, V]
 
+    def _stub_next(self, batch: Any, batch_result: Any) -> None:
+        """The result's next draft input gets the shape-valid top-k stubs (_next_input)."""
+        nxt = batch_result.next_draft_input
+        stub = self._next_input(len(batch.seq_lens), nxt.bonus_tokens)
+        nxt.topk_p, nxt.topk_index, nxt.hidden_states = stub.topk_p, stub.topk_index, None
+
     def _next_input(self, bs: int, bonus: torch.Tensor) -> EagleDraftInput:
         """The draft input SGLang carries to the next decode step: its bonus token (the
         top-k fields are shape-valid stubs; this draft starts from the bonus itself)."""
@@ -458,9 +464,7 @@ class AlignedDraft:
     def committed(self, batch: Any, window: torch.Tensor, batch_result: Any) -> None:
         """The step verified window [bs, n] (b, d_1..d_s at L..L + s; n = 1: the bonus
         alone, a step that drafted nothing): the next step's draft input and the book."""
-        nxt = batch_result.next_draft_input
-        stub = self._next_input(len(batch.seq_lens), nxt.bonus_tokens)
-        nxt.topk_p, nxt.topk_index, nxt.hidden_states = stub.topk_p, stub.topk_index, None
+        self._stub_next(batch, batch_result)
         if not batch.forward_mode.is_idle():
             self.book.verified(_rows(batch), _seq_lens(batch), window)
 
@@ -540,9 +544,7 @@ class NgramDraft(AlignedDraft):
         return drafts, confs, []
 
     def committed(self, batch: Any, window: torch.Tensor, batch_result: Any) -> None:
-        nxt = batch_result.next_draft_input  # no draft KV to keep
-        stub = self._next_input(len(batch.seq_lens), nxt.bonus_tokens)
-        nxt.topk_p, nxt.topk_index, nxt.hidden_states = stub.topk_p, stub.topk_index, None
+        self._stub_next(batch, batch_result)  # no draft KV to keep
 
 
 def logits32(logits: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ from sloserve.spec_config import SpeculationConfig
 log = logging.getLogger(__name__)
 
 ENV_CONFIG = "SLOSERVE_SGLANG_CONFIG"
+LENGTHS = ("uniform", "per-request", "trim")
 # "0": steps that draft nothing keep SGLang's verify of the bonus token instead of running as
 # plain decode steps (worker.SpecServeWorker._decode_step; for comparisons)
 DECODE_STEP_ENV = "SLOSERVE_DECODE_STEP"
@@ -39,7 +40,6 @@ DECODE_STEP_ENV = "SLOSERVE_DECODE_STEP"
 def decode_steps_from_env() -> bool:
     """Whether steps that draft nothing run as plain decode steps (the default)."""
     return os.environ.get(DECODE_STEP_ENV, "1") != "0"
-LENGTHS = ("uniform", "per-request", "trim")
 
 
 # the verify path's fixed cost over a decode forward's fixed cost, where no profile measured
