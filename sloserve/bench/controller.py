@@ -2,7 +2,7 @@
 
     python -m sloserve.bench.controller [--batches 1,8,32,64] [--k-max 8]
         [--policies specserve,...] [--cost cpu,gpu] [--steps 1000] [--repeat 3]
-        [--clock wall|cpu]
+        [--clock wall|cpu] [--flush MB]
         [--out out/controller_bench.json]
 
 For each batch size, a fixed batch of requests runs `--steps` decode steps through the
@@ -10,6 +10,10 @@ policy in engine call order (start, one extend per draft forward with synthetic 
 confidences, verify_lengths, observe); only the time inside the policy calls is counted.
 The `gpu` cost model (7B target / 68M draft on an H100-class GPU) makes speculation cheap,
 so SpecServe drafts long and calls extend up to k_max times: the controller's worst case.
+`--cost` also takes a cost profile file (a measured profile's cost model, e.g. one in
+~/.cache/sloserve/profiles). `--flush MB` writes over a buffer of that size before each step
+(not timed), so that the policy's calls start from cold caches, as in a server, where the
+models' forwards run between them.
 Prints a table (median / p90 microseconds per step, and the median of each call kind summed
 over the step) and writes JSON. Each configuration runs `--repeat` times and keeps the run
 with the lowest median, since a shared machine only ever adds time.
@@ -29,6 +33,7 @@ import numpy as np
 from sloserve import __version__
 from sloserve.bench.synthetic import SyntheticWorkload, cpu_cost_model, make_step
 from sloserve.estimator.cost_model import CostModel, ForwardCost
+from sloserve.estimator.profile_file import read_profile
 from sloserve.estimator.step_time import StepTimer
 from sloserve.policies.registry import make_policy
 from sloserve.speculation import SpecPolicy, StepInfo, VerifyOutcome
@@ -96,9 +101,12 @@ def timed_step(
 
 
 def bench_one(
-    spec: str, cost: CostModel, batch: int, k_max: int, steps: int, seed: int, clock: str = "wall"
+    spec: str, cost: CostModel, batch: int, k_max: int, steps: int, seed: int, clock: str = "wall",
+    flush_mb: int = 0,
 ) -> dict:
     rng = np.random.default_rng(seed)
+    # [flush_mb MiB] written over before each step: the caches cold, as after a forward
+    flush = np.zeros(flush_mb << 17) if flush_mb > 0 else None
     tick = CLOCKS[clock]
     pair = clock_pair_cost(tick)
     work = SyntheticWorkload(rng)
@@ -110,6 +118,8 @@ def bench_one(
     for i in range(warmup + steps):
         step = make_step(batch, context=context, k_max=k_max, lag=np.zeros(batch, np.int64))
         conf_all = work.confidences(np.repeat(mean[:, None], k_max, axis=1))  # [B, k_max]
+        if flush is not None:
+            np.add(flush, 1.0, out=flush)
         spent, n_ext, d, v, a = timed_step(policy, step, conf_all, work, tick, cost)
         spent[0] -= pair
         spent[1] -= pair * n_ext
@@ -130,6 +140,7 @@ def bench_one(
         "batch": batch,
         "k_max": k_max,
         "steps": steps,
+        "flush_mb": flush_mb,
         "median_us": float(np.median(us)),
         "p90_us": float(np.percentile(us, 90)),
         "mean_us": float(us.mean()),
@@ -158,6 +169,15 @@ def print_table(rows: list[dict]) -> None:
         )
 
 
+def _cost_model(name: str) -> CostModel | None:
+    """A named cost model, or a profile file's; None when it is neither."""
+    if name in COST_MODELS:
+        return COST_MODELS[name]()
+    if Path(name).is_file():
+        return read_profile(name).cost_model()
+    return None
+
+
 def _loadavg() -> list[float] | None:
     try:
         return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
@@ -170,7 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--k-max", type=int, default=8)
     ap.add_argument("--policies", default="specserve")
-    ap.add_argument("--cost", default="cpu,gpu", help="comma list of: " + ", ".join(COST_MODELS))
+    ap.add_argument("--cost", default="cpu,gpu",
+                    help="comma list of: " + ", ".join(COST_MODELS) + ", or cost profile files")
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument(
         "--clock",
@@ -180,6 +201,9 @@ def main(argv: list[str] | None = None) -> None:
         "of reading the clock is measured and subtracted",
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--flush", type=int, default=0, metavar="MB",
+                    help="write over a buffer of MB MiB before each step (not timed): cold "
+                    "caches, as in a server (0: off)")
     ap.add_argument(
         "--repeat",
         type=int,
@@ -189,16 +213,21 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--out", default="out/controller_bench.json")
     args = ap.parse_args(argv)
+    if args.flush < 0:
+        ap.error("--flush must be >= 0")
     rows = []
+    costs: dict[str, dict] = {}
     load_at_start = _loadavg()
     for cost_name in args.cost.split(","):
-        if cost_name not in COST_MODELS:
-            ap.error(f"--cost {cost_name!r}: valid: {', '.join(COST_MODELS)}")
-        cost = COST_MODELS[cost_name]()
+        cost = _cost_model(cost_name)
+        if cost is None:
+            ap.error(f"--cost {cost_name!r}: valid: {', '.join(COST_MODELS)} or a profile file")
+        costs[cost_name] = asdict(cost)
         for spec in args.policies.split(","):
             for batch in (int(b) for b in args.batches.split(",")):
                 runs = [
-                    bench_one(spec, cost, batch, args.k_max, args.steps, args.seed, args.clock)
+                    bench_one(spec, cost, batch, args.k_max, args.steps, args.seed, args.clock,
+                              args.flush)
                     for _ in range(max(1, args.repeat))
                 ]
                 best = min(runs, key=lambda r: r["median_us"])
@@ -217,7 +246,8 @@ def main(argv: list[str] | None = None) -> None:
         "numpy": np.__version__,
         "machine": platform.machine(),
         "processor": platform.processor(),
-        "cost_models": {n: asdict(COST_MODELS[n]()) for n in args.cost.split(",")},
+        "flush_mb": args.flush,
+        "cost_models": costs,
     }
     out.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
     print(f"wrote {out}")
