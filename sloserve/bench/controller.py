@@ -2,7 +2,7 @@
 
     python -m sloserve.bench.controller [--batches 1,8,32,64] [--k-max 8]
         [--policies specserve,...] [--cost cpu,gpu] [--steps 1000] [--repeat 3]
-        [--clock wall|cpu] [--flush MB]
+        [--clock wall|cpu] [--flush MB] [--verify-time]
         [--out out/controller_bench.json]
 
 For each batch size, a fixed batch of requests runs `--steps` decode steps through the
@@ -13,7 +13,9 @@ so SpecServe drafts long and calls extend up to k_max times: the controller's wo
 `--cost` also takes a cost profile file (a measured profile's cost model, e.g. one in
 ~/.cache/sloserve/profiles). `--flush MB` writes over a buffer of that size before each step
 (not timed), so that the policy's calls start from cold caches, as in a server, where the
-models' forwards run between them.
+models' forwards run between them. `--verify-time` also reports each step's target forward
+seconds apart (the cost model's), as the engines do: the online correction then runs its
+three-feature fit where the cost model has a verify path (SGLang's profiles).
 Prints a table (median / p90 microseconds per step, and the median of each call kind summed
 over the step) and writes JSON. Each configuration runs `--repeat` times and keeps the run
 with the lowest median, since a shared machine only ever adds time.
@@ -66,7 +68,7 @@ def clock_pair_cost(clock) -> float:
 
 def timed_step(
     policy: SpecPolicy, step: StepInfo, conf_all: np.ndarray, work, clock=time.perf_counter,
-    cost: CostModel | None = None,
+    cost: CostModel | None = None, verify_time: bool = False,
 ) -> tuple:
     """One step in engine order. Returns ([plan, extend, verify, observe] policy seconds,
     extend calls, drafted, verified, accepted). The step "measures" the cost model's time of
@@ -92,8 +94,12 @@ def timed_step(
     verified = plan.verify_lengths(conf[:, :s], drafted)
     spent[2] = clock() - t0
     accepted = work.accept(conf[:, :s], verified)
-    step_time = StepTimer(cost, step).plan(drafted, verified) if cost is not None else 0.0
-    outcome = VerifyOutcome(drafted, verified, accepted, conf[:, :s], step_time, 0.0)
+    timer = StepTimer(cost, step) if cost is not None else None
+    step_time = timer.plan(drafted, verified) if timer is not None else 0.0
+    # the target forward's seconds: the step's without its drafting
+    target = timer.plan(np.zeros_like(drafted), verified) if timer and verify_time else None
+    outcome = VerifyOutcome(drafted, verified, accepted, conf[:, :s], step_time, 0.0,
+                            verify_time=target)
     t0 = clock()
     policy.observe(plan, outcome)
     spent[3] = clock() - t0
@@ -102,7 +108,7 @@ def timed_step(
 
 def bench_one(
     spec: str, cost: CostModel, batch: int, k_max: int, steps: int, seed: int, clock: str = "wall",
-    flush_mb: int = 0,
+    flush_mb: int = 0, verify_time: bool = False,
 ) -> dict:
     rng = np.random.default_rng(seed)
     # [flush_mb MiB] written over before each step: the caches cold, as after a forward
@@ -120,7 +126,7 @@ def bench_one(
         conf_all = work.confidences(np.repeat(mean[:, None], k_max, axis=1))  # [B, k_max]
         if flush is not None:
             np.add(flush, 1.0, out=flush)
-        spent, n_ext, d, v, a = timed_step(policy, step, conf_all, work, tick, cost)
+        spent, n_ext, d, v, a = timed_step(policy, step, conf_all, work, tick, cost, verify_time)
         spent[0] -= pair
         spent[1] -= pair * n_ext
         spent[2] -= pair
@@ -141,6 +147,7 @@ def bench_one(
         "k_max": k_max,
         "steps": steps,
         "flush_mb": flush_mb,
+        "verify_time": verify_time,
         "median_us": float(np.median(us)),
         "p90_us": float(np.percentile(us, 90)),
         "mean_us": float(us.mean()),
@@ -150,6 +157,11 @@ def bench_one(
         "verified_per_req": verified / n,
         "accepted_per_req": accepted / n,
     }
+
+
+def _short(cost: str) -> str:
+    """A cost model's name for the table: a profile file's first 24 characters."""
+    return cost if cost in COST_MODELS else Path(cost).name[:24]
 
 
 def print_table(rows: list[dict]) -> None:
@@ -162,7 +174,8 @@ def print_table(rows: list[dict]) -> None:
     print("-" * len(head))
     for r in rows:
         print(
-            f"{r['policy']:18s} {r['clock']:5s} {r['cost']:4s} {r['batch']:4d} {r['median_us']:10.1f} "
+            f"{r['policy']:18s} {r['clock']:5s} {_short(r['cost']):4s} {r['batch']:4d} "
+            f"{r['median_us']:10.1f} "
             f"{r['p90_us']:8.1f} {r['extend_calls']:8.2f} {r['drafted_per_req']:8.2f} "
             f"{r['verified_per_req']:8.2f} {r['accepted_per_req']:8.2f}   "
             + " / ".join(f"{v:.1f}" for v in r["median_parts_us"].values())
@@ -204,6 +217,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--flush", type=int, default=0, metavar="MB",
                     help="write over a buffer of MB MiB before each step (not timed): cold "
                     "caches, as in a server (0: off)")
+    ap.add_argument("--verify-time", action="store_true",
+                    help="report each step's target forward seconds apart, as the engines do")
     ap.add_argument(
         "--repeat",
         type=int,
@@ -227,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
             for batch in (int(b) for b in args.batches.split(",")):
                 runs = [
                     bench_one(spec, cost, batch, args.k_max, args.steps, args.seed, args.clock,
-                              args.flush)
+                              args.flush, args.verify_time)
                     for _ in range(max(1, args.repeat))
                 ]
                 best = min(runs, key=lambda r: r["median_us"])

@@ -58,11 +58,14 @@ than `clip` times off the current prediction is clipped to that ratio (a GC paus
 preempted step must not swing the fit), and every scale stays in
 [1 / max_scale, max_scale] (v: within max_scale of the profile's, or up to a plain forward;
 theta_verify within max_scale^2).
+
+The fit runs every step on Python floats: after a forward, numpy's calls run on cold caches
+(the three-feature fit's array building and 3 x 3 solve took ~195 us a step cold against
+~21 us warm, numpy's solve alone ~77 us; 2-core AVX2 EPYC, 2026-12-06), where a few dozen
+float operations cost next to nothing.
 """
 
 from __future__ import annotations
-
-import numpy as np
 
 # the bound of every scale over a rough estimate (CostModel.rough: from the models' shapes,
 # no profile), where a profile's is 2: SGLang's float32 decode forward on a 2-core Xeon ran
@@ -93,12 +96,12 @@ class StepCostCorrection:
         self.theta_target = self.theta_draft = 1.0
         # the verify path's seconds over a decode forward: the profile's (the prior), then v;
         # the scale of the verified tokens' seconds; the three-feature fit's sums (features
-        # x = (plain, tokens, verified), weighted x x^T [3, 3] and x y [3]) and the tokens
-        # feature's typical square over the steps that verified
+        # x = (plain, tokens, verified), weighted x x^T [3][3] and x y [3], Python floats)
+        # and the tokens feature's typical square over the steps that verified
         self.verify_fixed_prior = self.verify_fixed = verify_fixed
         self.theta_verify = 1.0  # theta_target's value where the fit has one scale
-        self.sxx3 = np.zeros((3, 3))
-        self.sxy3 = np.zeros(3)
+        self.sxx3 = [[0.0] * 3 for _ in range(3)]
+        self.sxy3 = [0.0] * 3
         self.tok2 = 0.0
         self.plain_typ = 0.0  # the plain forward feature's typical value (v's upper bound)
         # draft fit: exponentially weighted sums of d = profiled and m = measured draft
@@ -141,7 +144,7 @@ class StepCostCorrection:
         if measured_target is not None and measured_target > 0.0:
             three = self.verify_fixed_prior > 0.0
             tokens = (verify_part or 0.0) if three else 0.0
-            x = np.array([target - tokens, tokens, 1.0 if verify_part is not None else 0.0])
+            x = (target - tokens, tokens, 1.0 if verify_part is not None else 0.0)
             if three:
                 predicted = (self.theta_target * x[0] + self.theta_verify * x[1]
                              + self.verify_fixed * x[2])
@@ -169,14 +172,17 @@ class StepCostCorrection:
         lam = w * self.sxx / self.n_step
         self.theta_target = self.theta_verify = self._bound((self.sxy + lam) / (self.sxx + lam))
 
-    def _fit_three(self, f: float, x: np.ndarray, y: float, lam: float, w: float) -> None:
+    def _fit_three(self, f: float, x: tuple[float, float, float], y: float, lam: float,
+                   w: float) -> None:
         """theta_target, theta_verify and v from the 3 x 3 normal equations of y = x .
         (theta_target, theta_verify, v), priors (1, 1, the profile's verify_fixed) weighted
         like the one-scale fit's: lam, w times the tokens feature's typical square, w."""
-        self.sxx3 *= f
-        self.sxx3 += np.outer(x, x)
-        self.sxy3 *= f
-        self.sxy3 += x * y
+        sxx, sxy = self.sxx3, self.sxy3
+        for i in range(3):
+            row = sxx[i]
+            for j in range(3):
+                row[j] = f * row[j] + x[i] * x[j]
+            sxy[i] = f * sxy[i] + x[i] * y
         if x[1] > 0.0:
             self.tok2 = self._typical(self.tok2, x[1] * x[1])
         self.plain_typ = self._typical(self.plain_typ, x[0])
@@ -191,12 +197,11 @@ class StepCostCorrection:
         # row at batch 1 that accepted next to nothing (2026-12-02, BENCHMARKS.md)
         self.n_verify = f * self.n_verify + (1.0 if x[2] > 0.0 else 0.0)
         wv = self._prior_for(self.n_verify)
-        prior_w = np.array([lam, wv * self.tok2 if self.tok2 > 0.0 else lam, wv])
-        A = self.sxx3 + np.diag(prior_w)
-        b = self.sxy3 + prior_w * np.array([1.0, 1.0, v0])
-        try:
-            theta = np.linalg.solve(A, b)
-        except np.linalg.LinAlgError:
+        prior_w = (lam, wv * self.tok2 if self.tok2 > 0.0 else lam, wv)
+        A = [[sxx[i][j] + (prior_w[i] if i == j else 0.0) for j in range(3)] for i in range(3)]
+        b = [sxy[i] + prior_w[i] * p for i, p in enumerate((1.0, 1.0, v0))]
+        theta = solve3(A, b)
+        if theta is None:  # singular
             return
         # each clamped on its own, not refitted given the others' bounds: with theta_target
         # at its bound (a rough estimate more than max_scale off), a refit would move the
@@ -240,3 +245,30 @@ class StepCostCorrection:
 
     def _bound(self, x: float) -> float:
         return min(max(x, 1.0 / self.max_scale), self.max_scale)
+
+
+def solve3(A: list[list[float]], b: list[float]) -> list[float] | None:
+    """x with A x = b for a 3 x 3 A ([3][3], [3] Python floats; both overwritten), by
+    Gaussian elimination with partial pivoting; None when A is singular (a zero pivot)."""
+    for c in range(3):
+        p = max(range(c, 3), key=lambda r: abs(A[r][c]))
+        if A[p][c] == 0.0:
+            return None
+        if p != c:
+            A[c], A[p] = A[p], A[c]
+            b[c], b[p] = b[p], b[c]
+        piv = A[c]
+        for r in range(c + 1, 3):
+            m = A[r][c] / piv[c]
+            if m != 0.0:
+                row = A[r]
+                for k in range(c, 3):
+                    row[k] -= m * piv[k]
+                b[r] -= m * b[c]
+    x = [0.0, 0.0, 0.0]
+    for r in (2, 1, 0):
+        acc = b[r]
+        for k in range(r + 1, 3):
+            acc -= A[r][k] * x[k]
+        x[r] = acc / A[r][r]
+    return x

@@ -20,10 +20,10 @@ def test_bench_runs_on_a_profile_file_with_cold_caches(tmp_path, capsys):
     path = write_profile(prof, profile_path(tmp_path, prof))
     out = tmp_path / "bench.json"
     controller.main(["--batches", "2", "--cost", f"cpu,{path}", "--steps", "5", "--repeat", "1",
-                     "--flush", "1", "--out", str(out)])
+                     "--flush", "1", "--verify-time", "--out", str(out)])
     data = json.loads(out.read_text())
     assert [r["cost"] for r in data["results"]] == ["cpu", str(path)]
-    assert all(r["flush_mb"] == 1 and r["steps"] == 5 and r["median_us"] > 0
+    assert all(r["flush_mb"] == 1 and r["verify_time"] and r["steps"] == 5 and r["median_us"] > 0
                for r in data["results"])
     assert data["meta"]["cost_models"][str(path)]["target"]["b"] == prof.target.cost.b
     assert "specserve" in capsys.readouterr().out  # the table

@@ -11,12 +11,27 @@ import numpy as np
 import pytest
 
 from sloserve.bench.synthetic import cpu_cost_model, make_step
-from sloserve.estimator.online_cost import StepCostCorrection
+from sloserve.estimator.online_cost import StepCostCorrection, solve3
 from sloserve.estimator.step_time import StepTimer, draft_time
 from sloserve.policies.specserve import SpecServePolicy
 from sloserve.speculation import VerifyOutcome
 
 COST = cpu_cost_model()
+
+
+def test_solve3_solves_as_numpy_and_refuses_a_singular_system():
+    """The three-feature fit's 3 x 3 solve on Python floats (it runs every step, on caches a
+    forward flushed) gives numpy's solution, pivoting where the first pivot is small."""
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        m = rng.normal(size=(3, 3)) * rng.choice([1e-3, 1.0, 1e3], size=(3, 1))
+        A = m @ m.T + np.diag(rng.uniform(1e-6, 1.0, 3))  # as the fit's: SPD
+        b = rng.normal(size=3)
+        got = solve3(A.tolist(), b.tolist())
+        np.testing.assert_allclose(got, np.linalg.solve(A, b), rtol=1e-7, atol=0.0)
+    perm = [[0.0, 2.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 4.0]]  # a zero first pivot
+    assert solve3(perm, [2.0, 3.0, 8.0]) == [3.0, 1.0, 2.0]
+    assert solve3([[1.0, 2.0, 3.0], [2.0, 4.0, 6.0], [0.0, 0.0, 1.0]], [1.0, 2.0, 3.0]) is None
 
 
 def test_correction_recovers_known_scales():
