@@ -108,10 +108,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from sloserve.bench.common import bench_prompts, machine_info, print_table, write_json
+from sloserve.bench.step_clock import cell_clock, read_clock
 from sloserve.replay.http_target import SSEStream, consume_sse_line
 from sloserve.runtime.cpu_kernels import ENV_SWITCH as KERNELS_ENV
 from sloserve.runtime.models.cpu_linear import PAD_ENV
 from sloserve.sglang_cpu.cpu_server import stop_server, wait_ready
+from sloserve.sglang_ext import STEP_CLOCK_ENV
 from sloserve.sglang_ext.cpu_weights import DRAFT_DTYPE_ENV, LAYOUT_ENV
 from sloserve.sglang_ext.lean_draft import ENV_SWITCH as LEAN_ENV
 from sloserve.sglang_ext.settings import DECODE_STEP_ENV
@@ -425,10 +427,13 @@ class Running:
 
     def __init__(self, system: str, python: str, target: str, draft: str, logs: Path,
                  port: int, k_max: int | None, timings: bool, start: int = 0,
-                 seconds: float | None = None, step_logs: bool = False) -> None:
+                 seconds: float | None = None, step_logs: bool = False,
+                 step_clock: bool = False) -> None:
         """start: which start of this system in the run (0: the first; a restart appends to
         the timings file and writes its own server log); seconds: each slice a timed loop
-        of this long (`timed_loop`), else a counted one (`closed_loop`)."""
+        of this long (`timed_loop`), else a counted one (`closed_loop`); step_clock: the
+        scheduler's step clock on (any system; `step_clock.py`), each cell's medians in its
+        result's "clock"."""
         self.system = system
         self.seconds = seconds
         args = system_args(system, target, draft, k_max)
@@ -444,8 +449,15 @@ class Running:
                 steps.unlink(missing_ok=True)
             args += ["--spec-step-log", str(steps.resolve())]
         log = f"{file_stem(system)}{f'.start{start + 1}' if start else ''}.log"
-        self.server = Server(python, args, port, logs / log, extra_env=system_env(system))
+        env = system_env(system)
+        self.clock_file = logs / f"{file_stem(system)}.clock.txt" if step_clock else None
+        if self.clock_file is not None:
+            if start == 0:
+                self.clock_file.unlink(missing_ok=True)
+            env = {**env, STEP_CLOCK_ENV: str(self.clock_file.resolve())}
+        self.server = Server(python, args, port, logs / log, extra_env=env)
         self.mark = 0  # the timings lines before the cell being measured
+        self.windows: list[tuple[float, float]] = []  # the cell's loops (perf_counter)
 
     def warm(self, prompts: list[list[int]], levels: list[int], new_tokens: int,
              ignore_eos: bool, t0: float) -> None:
@@ -465,13 +477,19 @@ class Running:
         lo, hi = part * n // parts, (part + 1) * n // parts
         if self.timed and part == 0:
             self.mark = _lines(self.timings_file)
+        if part == 0:
+            self.windows = []
+        t0 = time.perf_counter()
         if self.seconds is not None:  # --seconds: a timed loop from the same first prompt
             r = timed_loop(self.server, prompts, c, self.seconds, new_tokens, ignore_eos,
                            first=lo)
         else:
             r = closed_loop(self.server, prompts, c, hi - lo, new_tokens, ignore_eos, first=lo)
+        self.windows.append((t0, time.perf_counter()))
         if self.timed and part == parts - 1:
             r["steps"] = step_breakdown(self.timings_file, self.mark)
+        if self.clock_file is not None and part == parts - 1:
+            r["clock"] = cell_clock(read_clock(self.clock_file), self.windows, c)
         return r
 
 
@@ -480,7 +498,7 @@ def run_systems(systems: list[str], python: str, target: str, draft: str,
                 logs: Path, port: int, k_max: int | None = None, ignore_eos: bool = True,
                 timings: bool = False, interleave: bool = False, restart: bool = False,
                 slices: int = 1, seconds: float | None = None, step_logs: bool = False,
-                on_repeat: Callable[[dict[str, dict[int, list[dict]]]], None] | None = None,
+                step_clock: bool = False, on_repeat: Callable[[dict[str, dict[int, list[dict]]]], None] | None = None,
                 ) -> dict[str, dict[int, list[dict]]]:
     """{system: {concurrency: [one result per repeat]}}. One server at a time, its repeats
     back to back; or (interleave) every server up at once (each sleeps while idle) and each
@@ -503,9 +521,9 @@ def run_systems(systems: list[str], python: str, target: str, draft: str,
                                                      part, slices))
         for run in runs:
             r = merge_loops(parts[run.system])
-            steps = parts[run.system][-1].get("steps")
-            if steps is not None:
-                r["steps"] = steps
+            for key in ("steps", "clock"):  # the last slice's: the whole cell's
+                if parts[run.system][-1].get(key) is not None:
+                    r[key] = parts[run.system][-1][key]
             out[run.system][c].append(r)
             print(f"[{run.system}] repeat {rep + 1}/{repeats} concurrency {c}: "
                   f"{r['tok_s']:.1f} tok/s ({r['wall']:.1f} s), steady "
@@ -524,7 +542,8 @@ def run_systems(systems: list[str], python: str, target: str, draft: str,
                 for i, s in enumerate(group):
                     runs.append(Running(s, python, target, draft, logs, port + i, k_max,
                                         timings, start=block[0] if restart else 0,
-                                        seconds=seconds, step_logs=step_logs))
+                                        seconds=seconds, step_logs=step_logs,
+                                        step_clock=step_clock))
                     runs[-1].server.wait()
                 for run in runs:
                     run.warm(prompts, levels, new_tokens, ignore_eos, t0)
@@ -542,6 +561,26 @@ def run_systems(systems: list[str], python: str, target: str, draft: str,
                 for run in runs:
                     run.server.stop()
     return out
+
+
+def clock_rows(results: dict[str, dict[int, list[dict]]], systems: list[str],
+               levels: list[int]) -> list[list]:
+    """The --step-clock table's rows: per level and system, the medians over repeats of
+    each cell's step clock (`step_clock.cell_clock`), and its period over plain's."""
+    rows, period = [], {}
+    for c in levels:
+        for s in systems:
+            cells = [r["clock"] for r in results[s][c] if r.get("clock")]
+            if not cells:
+                continue
+            med = {k: statistics.median(x[k] for x in cells)
+                   for k in ("steps", "period_ms", "run_ms", "between_ms")}
+            period[s, c] = med["period_ms"]
+            rows.append([c, s, f"{med['steps']:.0f}", f"{med['period_ms']:.2f}",
+                         f"{med['run_ms']:.2f}", f"{med['between_ms']:.2f}",
+                         f"{med['period_ms'] / period['plain', c]:.3f}"
+                         if ("plain", c) in period else "-"])
+    return rows
 
 
 def paired_slices(mine: list[dict], other: list[dict]) -> list[float]:
@@ -630,6 +669,10 @@ def main(argv: list[str] | None = None) -> int:
                         "token (auto: when the target has a template)")
     p.add_argument("--timings", action="store_true",
                    help="SPECSERVE's per-step breakdown (the worker's timings lines)")
+    p.add_argument("--step-clock", action="store_true",
+                   help="every server's scheduler step clock (any system): per level, the "
+                        "median decode step's period at the full batch, its forward's part "
+                        "and the scheduler's work between forwards")
     p.add_argument("--step-logs", action="store_true",
                    help="SPECSERVE's per-request step log (--spec-step-log: each per-request "
                         "step's first-round predictions, confidences and outcomes) in the "
@@ -712,7 +755,8 @@ def main(argv: list[str] | None = None) -> int:
                           ignore_eos=not chat, timings=args.timings,
                           interleave=args.interleave, restart=args.restart,
                           slices=args.slices, seconds=args.seconds,
-                          step_logs=args.step_logs, on_repeat=save)
+                          step_logs=args.step_logs, step_clock=args.step_clock,
+                          on_repeat=save)
     rows, summary, steady = [], {}, {}
     for c in levels:
         med = {s: statistics.median(r["tok_s"] for r in results[s][c]) for s in systems}
@@ -759,6 +803,12 @@ def main(argv: list[str] | None = None) -> int:
                          "ms/round", "catch-up ms", "extend ms", "verify ms", "policy ms",
                          "other ms", "ms/token k = 0", "ms/token", "in-server gain"],
                         brows)
+    if args.step_clock:
+        print("\nThe scheduler's decode steps at batch C (medians over repeats of each cell's "
+              "medians; between: the period less the step's run_batch, SGLang's own work "
+              "between forwards):")
+        print_table(["C", "system", "steps", "period ms", "run ms", "between ms",
+                     "period vs plain"], clock_rows(results, systems, levels))
     mine = [s for s in systems if ours(s)]
     for c, metric in ((c, metric) for metric in ("tok_s", "steady_tok_s") for c in levels):
         m = summary[c] if metric == "tok_s" else steady[c]

@@ -14,6 +14,10 @@ import os
 
 logger = logging.getLogger(__name__)
 
+# diagnostics: a file that gets one line per decode batch of SGLang's scheduler, any server
+# (sglang_internals.install_step_clock; sloserve.bench.step_clock reads it)
+STEP_CLOCK_ENV = "SLOSERVE_STEP_CLOCK"
+
 
 def running_sglang_cpu_engine() -> bool:
     """SGLang's CPU engine is on (SGLANG_USE_CPU_ENGINE=1, which makes its is_cpu() true) and
@@ -57,3 +61,5 @@ def register() -> None:
         logger.info("sloserve plugin: SGLang CPU engine fixes applied (intel_amx kept, "
                     "float32 linear weights %s)", layout)
     sgl.register_specserve(_worker_class, _streamer_class)
+    if os.environ.get(STEP_CLOCK_ENV):
+        sgl.install_step_clock(os.environ[STEP_CLOCK_ENV])

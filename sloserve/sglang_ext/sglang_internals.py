@@ -23,6 +23,8 @@ Patches, in the order they are applied (each independent of the others' order):
                                   custom_params (sloserve/slo.py reads both)
     install_result_hook           SchedulerBatchResultProcessor._resolve_spec_v2_tokens hands
                                   each resolved result to the worker's `sloserve_verified`
+    install_step_clock            (diagnostics, any server) Scheduler.run_batch timed: one
+                                  line per decode batch to a file
     replace_methods               a draft worker's prefill / draft / decode-extend methods
     swapped_eagle_sample          (a context) eagle_worker_common.eagle_sample
     swapped_target_forward        (a context) the target worker's forward_batch_generation
@@ -33,6 +35,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import inspect
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -102,7 +105,8 @@ __all__ = [
     "GenerationBatchResult", "RaggedVerifyLayout",
     "SchedulerOutputStreamer", "StandaloneWorkerV2", "activate_rounds",
     "build_eagle_verify_input", "forward_context", "install_ragged_extend_metadata",
-    "install_request_slo_fields", "install_result_hook", "per_step_draft_out_cache_loc",
+    "install_request_slo_fields", "install_result_hook", "install_step_clock",
+    "per_step_draft_out_cache_loc",
     "prepare_for_draft", "replace_methods",
     "swapped_eagle_sample", "swapped_target_forward",
 ]
@@ -331,6 +335,33 @@ def install_result_hook() -> None:
         return out
 
     SchedulerBatchResultProcessor._resolve_spec_v2_tokens = _mark(resolve, "sloserve_result")
+
+
+def install_step_clock(path: str) -> None:
+    """Time every decode batch of SGLang's scheduler, with or without speculation: one
+    line `start seconds bs` per decode batch (time.perf_counter at run_batch's start, the
+    system-wide monotonic clock on Linux; run_batch's seconds; the batch size), appended to
+    `path` as it ends (line-buffered: a write per step, a few microseconds, on every
+    server alike). A step's period (one start to the next) less its run is the scheduler's
+    own work between forwards (result processing, streaming, the next batch's
+    preparation): what tells a SPECSERVE step that drafts nothing from a plain server's
+    decode step (sloserve.bench.step_clock reads the file)."""
+    from sglang.srt.managers.scheduler import Scheduler
+
+    original = _require(Scheduler, "run_batch")
+    if getattr(original, "sloserve_clock", False):
+        return
+    out = open(path, "a", buffering=1)  # noqa: SIM115 - open for the process's life
+
+    @functools.wraps(original)
+    def run_batch(self: Any, batch: Any, *a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        result = original(self, batch, *a, **kw)
+        if batch.forward_mode.is_decode():
+            out.write(f"{t0:.6f} {time.perf_counter() - t0:.6f} {len(batch.reqs)}\n")
+        return result
+
+    Scheduler.run_batch = _mark(run_batch, "sloserve_clock")
 
 
 def replace_methods(obj: Any, **methods: Callable) -> None:

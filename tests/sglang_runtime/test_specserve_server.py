@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from sloserve.bench.step_clock import read_clock
 from sloserve.runtime.models.config import HOT_VOCAB_KEY
+from sloserve.sglang_ext import STEP_CLOCK_ENV
 from sloserve.sglang_ext.lean_draft import ENV_SWITCH as LEAN_ENV
 from tests.sglang_runtime.launched import TINY_PROFILE, ServerQueue, post
 
@@ -26,6 +28,7 @@ pytestmark = pytest.mark.timeout(2400)
 
 MAX_NEW = 32
 HOT: set[int] = set()  # the "selfhot" server's hot vocabulary (set by the fixture)
+CLOCK: list[Path] = []  # the "selfskip" server's step clock file (set by the fixture)
 
 def _hot_copy(model_dir: str, out: Path) -> set[int]:
     """`out`: the model directory with a hot vocabulary of its even token ids (its files
@@ -54,6 +57,7 @@ def launched(sglang_python, tiny_sglang_pair, tiny_plain, tmp_path_factory):
     hot_dir = tmp_path_factory.mktemp("hot") / "target-hot"
     HOT.clear()
     HOT.update(_hot_copy(target, hot_dir))
+    CLOCK[:] = [logs / "selfskip.clock.txt"]
     pair = ["--model-path", target, "--draft-model-path", draft]
     specs = {
         # on this random pair plain steps (no draft forward at all) beat drafting; the SLO
@@ -93,7 +97,7 @@ def launched(sglang_python, tiny_sglang_pair, tiny_plain, tmp_path_factory):
         # draft = target; batches of 3 or more draft nothing (a batch-size table)
         "selfskip": (["--model-path", target, "--draft-model-path", target, "--k-max", "4",
                       "--spec-policy", "lut:2=3", "--spec-profile", str(TINY_PROFILE)],
-                     F32_DRAFT),
+                     {**F32_DRAFT, STEP_CLOCK_ENV: str(CLOCK[0])}),
         # no model options: the built-in pair, as `sloserve.launch --engine sglang` serves it
         "builtin": (["--tpot-slo", "30ms"], {}),
     }
@@ -332,9 +336,17 @@ def test_steps_without_drafting_leave_the_draft_aligned(launched):
     server = launched("selfskip")
     g = torch.Generator().manual_seed(31)
     prompts = [torch.randint(10, 2048, (20,), generator=g).tolist() for _ in range(3)]
+    before = len(read_clock(CLOCK[0]))
     with ThreadPoolExecutor(3) as pool:  # three at once: nobody drafts until the first ends
         outs = list(pool.map(lambda a: _gen(server, a[0], max_new=a[1]),
                              zip(prompts, [8, 40, 64])))
+    # the scheduler's step clock (--step-clock of the SGLang bench) saw every decode batch
+    # these requests ran in, with its batch size, in order
+    clock = read_clock(CLOCK[0])[before:]
+    assert sum(bs for _, _, bs in clock) == sum(
+        len(o["meta_info"]["sloserve_draft_steps"]) for o in outs)
+    assert {bs for _, _, bs in clock} >= {1, 3} and all(run > 0 for _, run, _ in clock)
+    assert all(a[0] + a[1] <= b[0] for a, b in zip(clock, clock[1:]))
     plain = launched("plain")  # the lut policy's greedy output is plain decoding's
     with ThreadPoolExecutor(3) as pool:
         want = list(pool.map(lambda a: _gen(plain, a[0], max_new=a[1]),
