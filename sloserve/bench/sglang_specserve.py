@@ -574,10 +574,11 @@ def clock_rows(results: dict[str, dict[int, list[dict]]], systems: list[str],
             if not cells:
                 continue
             med = {k: statistics.median(x[k] for x in cells)
-                   for k in ("steps", "period_ms", "run_ms", "between_ms")}
+                   for k in ("steps", "period_ms", "run_ms", "between_ms", "process_ms",
+                             "next_ms")}
             period[s, c] = med["period_ms"]
-            rows.append([c, s, f"{med['steps']:.0f}", f"{med['period_ms']:.2f}",
-                         f"{med['run_ms']:.2f}", f"{med['between_ms']:.2f}",
+            rows.append([c, s, f"{med['steps']:.0f}", *(f"{med[k]:.2f}" for k in (
+                "period_ms", "run_ms", "between_ms", "process_ms", "next_ms")),
                          f"{med['period_ms'] / period['plain', c]:.3f}"
                          if ("plain", c) in period else "-"])
     return rows
@@ -806,9 +807,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.step_clock:
         print("\nThe scheduler's decode steps at batch C (medians over repeats of each cell's "
               "medians; between: the period less the step's run_batch, SGLang's own work "
-              "between forwards):")
+              "between forwards, of which process: result processing, next batch: the "
+              "next batch's preparation):")
         print_table(["C", "system", "steps", "period ms", "run ms", "between ms",
-                     "period vs plain"], clock_rows(results, systems, levels))
+                     "process ms", "next batch ms", "period vs plain"],
+                    clock_rows(results, systems, levels))
     mine = [s for s in systems if ours(s)]
     for c, metric in ((c, metric) for metric in ("tok_s", "steady_tok_s") for c in levels):
         m = summary[c] if metric == "tok_s" else steady[c]

@@ -338,19 +338,29 @@ def install_result_hook() -> None:
 
 
 def install_step_clock(path: str) -> None:
-    """Time every decode batch of SGLang's scheduler, with or without speculation: one
-    line `start seconds bs` per decode batch (time.perf_counter at run_batch's start, the
-    system-wide monotonic clock on Linux; run_batch's seconds; the batch size), appended to
-    `path` as it ends (line-buffered: a write per step, a few microseconds, on every
-    server alike). A step's period (one start to the next) less its run is the scheduler's
-    own work between forwards (result processing, streaming, the next batch's
-    preparation): what tells a SPECSERVE step that drafts nothing from a plain server's
-    decode step (sloserve.bench.step_clock reads the file)."""
+    """Time SGLang's scheduler around every decode batch, with or without speculation:
+    lines appended to `path` as each call ends (line-buffered: a write per call, a few
+    microseconds, on every server alike), times by time.perf_counter (the system-wide
+    monotonic clock on Linux), seconds after them:
+
+        R start seconds bs   run_batch of a decode batch of bs requests (the forward, and a
+                             speculative worker's drafting and verify)
+        P start seconds      process_batch_result of a decode batch (resolving its tokens,
+                             streaming them; SPECSERVE's policy learning from the step)
+        N start seconds      get_next_batch_to_run (the next batch's preparation: its KV
+                             slots reserved, a speculative server's draft-token windows)
+
+    A step's period (one R's start to the next) less its run is the scheduler's own work
+    between forwards, and the P and N inside it split that work: what tells a SPECSERVE step
+    that drafts nothing from a plain server's decode step (sloserve.bench.step_clock reads
+    the file)."""
     from sglang.srt.managers.scheduler import Scheduler
 
     original = _require(Scheduler, "run_batch")
     if getattr(original, "sloserve_clock", False):
         return
+    process = _require(Scheduler, "process_batch_result")
+    next_batch = _require(Scheduler, "get_next_batch_to_run")
     out = open(path, "a", buffering=1)  # noqa: SIM115 - open for the process's life
 
     @functools.wraps(original)
@@ -358,9 +368,26 @@ def install_step_clock(path: str) -> None:
         t0 = time.perf_counter()
         result = original(self, batch, *a, **kw)
         if batch.forward_mode.is_decode():
-            out.write(f"{t0:.6f} {time.perf_counter() - t0:.6f} {len(batch.reqs)}\n")
+            out.write(f"R {t0:.6f} {time.perf_counter() - t0:.6f} {len(batch.reqs)}\n")
         return result
 
+    @functools.wraps(process)
+    def process_batch_result(self: Any, batch: Any, *a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        result = process(self, batch, *a, **kw)
+        if batch.forward_mode.is_decode():
+            out.write(f"P {t0:.6f} {time.perf_counter() - t0:.6f}\n")
+        return result
+
+    @functools.wraps(next_batch)
+    def get_next_batch_to_run(self: Any, *a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        result = next_batch(self, *a, **kw)
+        out.write(f"N {t0:.6f} {time.perf_counter() - t0:.6f}\n")
+        return result
+
+    Scheduler.process_batch_result = process_batch_result
+    Scheduler.get_next_batch_to_run = get_next_batch_to_run
     Scheduler.run_batch = _mark(run_batch, "sloserve_clock")
 
 

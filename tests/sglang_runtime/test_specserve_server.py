@@ -336,15 +336,18 @@ def test_steps_without_drafting_leave_the_draft_aligned(launched):
     server = launched("selfskip")
     g = torch.Generator().manual_seed(31)
     prompts = [torch.randint(10, 2048, (20,), generator=g).tolist() for _ in range(3)]
-    before = len(read_clock(CLOCK[0]))
+    before = len(read_clock(CLOCK[0]).runs)
     with ThreadPoolExecutor(3) as pool:  # three at once: nobody drafts until the first ends
         outs = list(pool.map(lambda a: _gen(server, a[0], max_new=a[1]),
                              zip(prompts, [8, 40, 64])))
     # the scheduler's step clock (--step-clock of the SGLang bench) saw every decode batch
     # these requests ran in, with its batch size, in order
-    clock = read_clock(CLOCK[0])[before:]
+    clock = read_clock(CLOCK[0]).runs[before:]
     assert sum(bs for _, _, bs in clock) == sum(
         len(o["meta_info"]["sloserve_draft_steps"]) for o in outs)
+    # ... and the scheduler's result processing and batch preparation between them
+    calls = read_clock(CLOCK[0]).calls
+    assert all(any(clock[-2][0] < t < clock[-1][0] for t, _ in calls[k]) for k in "PN")
     assert {bs for _, _, bs in clock} >= {1, 3} and all(run > 0 for _, run, _ in clock)
     assert all(a[0] + a[1] <= b[0] for a, b in zip(clock, clock[1:]))
     plain = launched("plain")  # the lut policy's greedy output is plain decoding's
