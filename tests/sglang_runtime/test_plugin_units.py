@@ -310,7 +310,7 @@ def test_restart_starts_fresh_servers_for_every_repeat(monkeypatch, tmp_path, re
 
     class FakeRunning:
         def __init__(self, system, python, target, draft, logs, port, k_max, timings,
-                     start=0, seconds=None, step_logs=False):
+                     start=0, seconds=None, step_logs=False, step_clock=False):
             self.system, self.server = system, FakeServer(system, start)
 
         def warm(self, *args) -> None:
