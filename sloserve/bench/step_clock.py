@@ -1,7 +1,8 @@
 """Reads the scheduler's step clock (sglang_internals.install_step_clock, on with
 `SLOSERVE_STEP_CLOCK=<file>` in a server's environment; the SGLang bench's `--step-clock`):
-per decode batch its run_batch (start, seconds, batch size), and the starts and seconds of
-the scheduler's result processing (P) and next-batch preparation (N) calls. Starts are
+per decode batch its run_batch (start, seconds, batch size), per other batch (prefills) its
+run_batch (start, seconds, batch size, new tokens), and the starts and seconds of the
+scheduler's result processing (P) and next-batch preparation (N) calls. Starts are
 time.perf_counter values, the system-wide monotonic clock on Linux, so a client's
 perf_counter windows select a cell's rows. A step's period is one run's start to the next;
 less the run, what SGLang's scheduler did between the two forwards, of which P and N are
@@ -20,6 +21,8 @@ Row = tuple[float, float, int]  # (start s, run s, batch size): one decode batch
 @dataclass
 class Clock:
     runs: list[Row] = field(default_factory=list)  # decode batches, in order
+    # other batches (prefills), in order: (start s, run s, batch size, new tokens)
+    extends: list[tuple[float, float, int, int]] = field(default_factory=list)
     # (start s, seconds) of each kind of call between forwards, in order
     calls: dict[str, list[tuple[float, float]]] = field(
         default_factory=lambda: {"P": [], "N": []})
@@ -35,6 +38,9 @@ def read_clock(path: Path) -> Clock:
         parts = line.split()
         if len(parts) == 4 and parts[0] == "R":
             clock.runs.append((float(parts[1]), float(parts[2]), int(parts[3])))
+        elif len(parts) == 5 and parts[0] == "E":
+            clock.extends.append((float(parts[1]), float(parts[2]), int(parts[3]),
+                                  int(parts[4])))
         elif len(parts) == 3 and parts[0] in clock.calls:
             clock.calls[parts[0]].append((float(parts[1]), float(parts[2])))
     return clock
@@ -73,3 +79,28 @@ def cell_clock(clock: Clock, windows: list[tuple[float, float]], bs: int) -> dic
             "between_ms": 1e3 * statistics.median(p - r for p, r in zip(periods, runs)),
             "process_ms": 1e3 * statistics.median(procs),
             "next_ms": 1e3 * statistics.median(nexts)}
+
+
+def window_gaps(clock: Clock, lo: float, hi: float) -> dict | None:
+    """Where a window's time between decode steps went, over the decode steps that started
+    in [lo, hi): decode_steps, decode_s (their runs), gap_s (from each run's end to the next
+    decode step's start, the last step's left out), and of the gaps prefill_s (the other
+    batches' runs inside them), process_s and next_s (the P and N calls inside them),
+    max_gap_s. None without two decode steps in the window."""
+    rows = [r for r in clock.runs if lo <= r[0] < hi]
+    if len(rows) < 2:
+        return None
+    starts = [e[0] for e in clock.extends]
+    gaps, prefill, proc, nxt = [], 0.0, 0.0, 0.0
+    for (t, run, _), (t2, _, _) in zip(rows, rows[1:]):
+        end = t + run
+        gaps.append(t2 - end)
+        i = bisect.bisect_left(starts, end)
+        while i < len(starts) and starts[i] < t2:
+            prefill += clock.extends[i][1]
+            i += 1
+        proc += _inside(clock.calls["P"], end, t2)
+        nxt += _inside(clock.calls["N"], end, t2)
+    return {"decode_steps": len(rows), "decode_s": sum(r[1] for r in rows),
+            "gap_s": sum(gaps), "prefill_s": prefill, "process_s": proc, "next_s": nxt,
+            "max_gap_s": max(gaps)}

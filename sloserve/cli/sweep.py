@@ -129,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SPECSERVE's servers write a JSON line of times and lengths per decode "
                         "step to --out/server_logs/SYSTEM.timings.jsonl (the launcher's "
                         "--spec-timings)")
+    g.add_argument("--step-clock", action="store_true",
+                   help="every server's scheduler step clock (any system: "
+                        "--out/server_logs/SYSTEM.clock.txt); each run's record and log "
+                        "line say where its time between decode steps went (prefills, "
+                        "result processing, next-batch preparation)")
     p.add_argument("--out", type=Path, default=Path("runs/sweep"))
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--resume", action="store_true",
@@ -162,6 +167,7 @@ class Sweep:
             scheduler=SchedulerConfig(max_running_requests=args.max_running_requests))
         self.slo = SloConfig(args.ttft_slo_ms / 1000.0, args.tpot_slo_ms / 1000.0, (1.0,))
         self.t0 = time.time()
+        self.window = (0.0, 0.0)  # the last replay's perf_counter start and end
 
     def source(self) -> PromptSource:
         if self.servers is not None:
@@ -180,8 +186,20 @@ class Sweep:
         else:
             target = make_target(a.target, policy, engine_config=self.cfg, profile=a.profile,
                                  acceptance=a.acceptance, sim_seed=seed)
+        t0 = time.perf_counter()
         records = asyncio.run(target.run(list(requests), None))
+        self.window = (t0, time.perf_counter())
         return PolicyRun(policy, tuple(records), target.spec_stats())
+
+    def clock_gaps(self, policy: str) -> dict[str, Any] | None:
+        """--step-clock: where the last replay's time between decode steps went on
+        `policy`'s server (step_clock.window_gaps), else None."""
+        path = self.servers.clocks.get(policy) if self.servers is not None else None
+        if path is None:
+            return None
+        from sloserve.bench.step_clock import read_clock, window_gaps
+
+        return window_gaps(read_clock(path), *self.window)
 
     def log(self, text: str) -> None:
         print(f"[{time.time() - self.t0:7.1f} s] {text}", flush=True)
@@ -212,9 +230,11 @@ class SGLangServers:
             ours,
             sglang_python,
             system_args,
+            system_env,
             warm_up,
         )
         from sloserve.runtime.models.presets import resolve_pair
+        from sloserve.sglang_ext import STEP_CLOCK_ENV
 
         target, draft = resolve_pair(args.model, args.draft_model_path, "model")
         assert draft is not None
@@ -225,6 +245,7 @@ class SGLangServers:
         python = sglang_python()
         self.servers: dict[str, Any] = {}
         self.one_at_a_time = one_at_a_time
+        self.clocks: dict[str, Path] = {}  # --step-clock: each system's clock file
 
         def start(i: int, system: str) -> None:
             server_args = system_args(system, target, draft, args.k_max)
@@ -232,8 +253,13 @@ class SGLangServers:
                 timings = logs / f"{file_stem(system)}.timings.jsonl"
                 timings.unlink(missing_ok=True)
                 server_args += ["--spec-timings", str(timings.resolve())]
+            env = system_env(system)
+            if getattr(args, "step_clock", False):
+                clock = self.clocks[system] = logs / f"{file_stem(system)}.clock.txt"
+                clock.unlink(missing_ok=True)
+                env = {**env, STEP_CLOCK_ENV: str(clock.resolve())}
             server = self.servers[system] = Server(python, server_args, args.port + i,
-                                                   logs / f"{file_stem(system)}.log")
+                                                   logs / f"{file_stem(system)}.log", env)
             server.wait()
             if getattr(args, "warmup", True):  # not measured: the bench's warm-up
                 warm_up(server, ids, 16, args.output_max or 64)
@@ -280,7 +306,7 @@ class Checkpoint:
         self.runs_path = self.out / "runs.jsonl"
         # (the servers' timings lines change nothing a run replays)
         settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                    if k not in ("out", "resume", "no_plots", "timings")}
+                    if k not in ("out", "resume", "no_plots", "timings", "step_clock")}
         if args.target != "sim":  # measured runs of one sweep come from one machine
             from sloserve.bench.common import cpu_model
 
@@ -363,6 +389,14 @@ def _run(args: argparse.Namespace, sweep: Sweep, argv: list[str] | None) -> int:
             run = sweep.replay(policy, c.seed, c.requests)
             rec = {"stats": run_stats(run, c.classes, sweep.slo),
                    "series": series(run) if c.seed == args.seeds[0] else None}
+            gaps = sweep.clock_gaps(policy)
+            if gaps is not None:
+                rec["step_clock"] = gaps
+                sweep.log(f"{policy} load {c.load:g}x seed {c.seed}: "
+                          f"{gaps['decode_steps']} decode steps, {gaps['decode_s']:.1f} s; "
+                          f"between them {gaps['gap_s']:.1f} s (prefills "
+                          f"{gaps['prefill_s']:.1f}, process {gaps['process_s']:.1f}, next "
+                          f"{gaps['next_s']:.1f}, longest {gaps['max_gap_s']:.2f})")
             ck.put(key, rec)
         return rec
 

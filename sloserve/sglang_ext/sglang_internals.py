@@ -345,6 +345,9 @@ def install_step_clock(path: str) -> None:
 
         R start seconds bs   run_batch of a decode batch of bs requests (the forward, and a
                              speculative worker's drafting and verify)
+        E start seconds bs tokens
+                             run_batch of any other batch (a prefill of bs requests and
+                             tokens new tokens, with a speculative worker's draft prefill)
         P start seconds      process_batch_result of a decode batch (resolving its tokens,
                              streaming them; SPECSERVE's policy learning from the step)
         N start seconds      get_next_batch_to_run (the next batch's preparation: its KV
@@ -367,8 +370,12 @@ def install_step_clock(path: str) -> None:
     def run_batch(self: Any, batch: Any, *a: Any, **kw: Any) -> Any:
         t0 = time.perf_counter()
         result = original(self, batch, *a, **kw)
+        seconds = time.perf_counter() - t0
         if batch.forward_mode.is_decode():
-            out.write(f"R {t0:.6f} {time.perf_counter() - t0:.6f} {len(batch.reqs)}\n")
+            out.write(f"R {t0:.6f} {seconds:.6f} {len(batch.reqs)}\n")
+        else:
+            tokens = getattr(batch, "extend_num_tokens", None) or 0
+            out.write(f"E {t0:.6f} {seconds:.6f} {len(batch.reqs)} {tokens}\n")
         return result
 
     @functools.wraps(process)

@@ -336,15 +336,21 @@ def test_steps_without_drafting_leave_the_draft_aligned(launched):
     server = launched("selfskip")
     g = torch.Generator().manual_seed(31)
     prompts = [torch.randint(10, 2048, (20,), generator=g).tolist() for _ in range(3)]
-    before = len(read_clock(CLOCK[0]).runs)
+    before = read_clock(CLOCK[0])
     with ThreadPoolExecutor(3) as pool:  # three at once: nobody drafts until the first ends
         outs = list(pool.map(lambda a: _gen(server, a[0], max_new=a[1]),
                              zip(prompts, [8, 40, 64])))
     # the scheduler's step clock (--step-clock of the SGLang bench) saw every decode batch
     # these requests ran in, with its batch size, in order
-    clock = read_clock(CLOCK[0]).runs[before:]
+    after = read_clock(CLOCK[0])
+    clock = after.runs[len(before.runs):]
     assert sum(bs for _, _, bs in clock) == sum(
         len(o["meta_info"]["sloserve_draft_steps"]) for o in outs)
+    # ... and their prefills: the three prompts' 60 tokens less what the radix cache held
+    # (a shared first token of two random prompts)
+    extends = after.extends[len(before.extends):]
+    assert sum(e[2] for e in extends) == 3 and 50 <= sum(e[3] for e in extends) <= 60
+    assert all(e[1] > 0 for e in extends)
     # ... and the scheduler's result processing and batch preparation between them
     calls = read_clock(CLOCK[0]).calls
     assert all(any(clock[-2][0] < t < clock[-1][0] for t, _ in calls[k]) for k in "PN")

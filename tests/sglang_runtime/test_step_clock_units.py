@@ -1,11 +1,12 @@
-"""sloserve.bench.step_clock: the scheduler's step clock file read back, and a cell's
-medians taken from the steps inside its windows at its batch size alone."""
+"""sloserve.bench.step_clock: the scheduler's step clock file read back, a cell's medians
+taken from the steps inside its windows at its batch size alone, and a window's time between
+decode steps split into prefills and the scheduler's calls."""
 
 from __future__ import annotations
 
 import pytest
 
-from sloserve.bench.step_clock import cell_clock, read_clock
+from sloserve.bench.step_clock import cell_clock, read_clock, window_gaps
 
 
 def test_a_cells_medians_come_from_its_windows_at_its_batch_size(tmp_path):
@@ -34,3 +35,30 @@ def test_a_cells_medians_come_from_its_windows_at_its_batch_size(tmp_path):
     assert got["next_ms"] == pytest.approx(3.0)  # of 4, 3, 1
     assert cell_clock(clock, [(9.9, 10.45)], 2) is None
     assert read_clock(tmp_path / "absent.txt").runs == []
+
+
+def test_a_windows_gaps_between_decode_steps_are_split_into_their_parts(tmp_path):
+    f = tmp_path / "clock.txt"
+    f.write_text("".join([
+        "E 9.000000 0.400000 2 300\n",  # before the window: left out
+        "R 10.000000 0.100000 2\n",
+        "P 10.100000 0.010000\n", "N 10.110000 0.005000\n",
+        "E 10.120000 0.500000 1 200\n",  # a prefill between two decode steps
+        "P 10.620000 0.020000\n", "N 10.640000 0.010000\n",
+        "R 10.700000 0.100000 3\n",
+        "P 10.800000 0.010000\n",
+        "R 10.850000 0.100000 3\n",
+        "E 10.960000 0.300000 1 50\n",  # after the window's last decode step: left out
+        "R 20.000000 0.100000 3\n",  # after the window
+    ]))
+    clock = read_clock(f)
+    assert clock.extends[1] == (10.12, 0.5, 1, 200)
+    got = window_gaps(clock, 9.5, 11.0)
+    assert got is not None and got["decode_steps"] == 3
+    assert got["decode_s"] == pytest.approx(0.3)
+    assert got["gap_s"] == pytest.approx(0.6 + 0.05)
+    assert got["prefill_s"] == pytest.approx(0.5)
+    assert got["process_s"] == pytest.approx(0.04)
+    assert got["next_s"] == pytest.approx(0.015)
+    assert got["max_gap_s"] == pytest.approx(0.6)
+    assert window_gaps(clock, 19.0, 21.0) is None  # one decode step

@@ -40,7 +40,8 @@ def test_sweep_replays_the_same_requests_on_every_sglang_server(sglang_python,
            "--trace", str(TRACE), "--loads", "1", "--rate-unit", "ar", "--seeds", "0",
            "--requests", "8", "--output-scale", "0.1", "--output-max", "12",
            "--tpot-slo-ms", "200", "--ttft-slo-ms", "5000", "--port", "29877",
-           "--out", str(out), "--no-plots", "--servers", "one", "--timings"]
+           "--out", str(out), "--no-plots", "--servers", "one", "--timings",
+           "--step-clock"]
     env = {**os.environ, "SLOSERVE_SGLANG_PYTHON": sglang_python}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=1500)
@@ -73,5 +74,14 @@ def test_sweep_replays_the_same_requests_on_every_sglang_server(sglang_python,
     # and only those
     assert all(r["decode"] == (r["k"] == 0) for r in rows)
     assert any(r["decode"] for r in rows), [r["k"] for r in rows]
-    records = (out / "runs.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
     assert len(records) == 1 + len(runs)  # the capacity probe and every run, checkpointed
+    # --step-clock: every server's clock (plain's too); each run's record says where the
+    # time between its decode steps went, its 8 prefills among it
+    assert sorted(p.name for p in logs.glob("*.clock.txt")) == sorted(
+        f"{s.replace(':', '-')}.clock.txt" for s in systems.split(","))
+    for rec in records[1:]:
+        gaps = rec["step_clock"]
+        assert gaps["decode_steps"] > 1 and gaps["decode_s"] > 0, rec["key"]
+        assert 0 < gaps["prefill_s"] <= gaps["gap_s"], rec["key"]
+        assert gaps["max_gap_s"] <= gaps["gap_s"]
