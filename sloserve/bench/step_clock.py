@@ -86,7 +86,9 @@ def window_gaps(clock: Clock, lo: float, hi: float) -> dict | None:
     in [lo, hi): decode_steps, decode_s (their runs), gap_s (from each run's end to the next
     decode step's start, the last step's left out), and of the gaps prefill_s (the other
     batches' runs inside them), process_s and next_s (the P and N calls inside them),
-    max_gap_s. None without two decode steps in the window."""
+    max_gap_s; prefill_tokens: the new tokens of every other batch that started in the
+    window (the first prefills, before any decode step, included). None without two
+    decode steps in the window."""
     rows = [r for r in clock.runs if lo <= r[0] < hi]
     if len(rows) < 2:
         return None
@@ -102,5 +104,6 @@ def window_gaps(clock: Clock, lo: float, hi: float) -> dict | None:
         proc += _inside(clock.calls["P"], end, t2)
         nxt += _inside(clock.calls["N"], end, t2)
     return {"decode_steps": len(rows), "decode_s": sum(r[1] for r in rows),
-            "gap_s": sum(gaps), "prefill_s": prefill, "process_s": proc, "next_s": nxt,
-            "max_gap_s": max(gaps)}
+            "gap_s": sum(gaps), "prefill_s": prefill,
+            "prefill_tokens": sum(e[3] for e in clock.extends if lo <= e[0] < hi),
+            "process_s": proc, "next_s": nxt, "max_gap_s": max(gaps)}

@@ -182,6 +182,7 @@ class Sweep:
         a = self.args
         target: Any
         if self.servers is not None:
+            self.servers.flush(policy)
             target = SGLangHTTPTarget(self.servers.url(policy), send_slos=True)
         else:
             target = make_target(a.target, policy, engine_config=self.cfg, profile=a.profile,
@@ -282,6 +283,28 @@ class SGLangServers:
             self.stop()
             self._start(system)
         return str(self.servers[system].url)
+
+    def flush(self, system: str) -> None:
+        """Empty the system's prefix cache (SGLang's /flush_cache), so that every run
+        starts from the same cache whatever ran on the server before it: its KV pool (8,192
+        tokens on a CPU) holds ~30 of the pool's prompts, and which depended on the runs
+        before (plain's capacity probe, on plain's server alone, left the first cells'
+        prompts cached there and nowhere else). SGLang flushes only an idle server: the
+        last run's requests may still be leaving it."""
+        import urllib.error
+        import urllib.request
+
+        url = self.url(system) + "/flush_cache"
+        for _ in range(40):
+            try:
+                with urllib.request.urlopen(urllib.request.Request(url, method="POST"),
+                                            timeout=30):
+                    return
+            except urllib.error.HTTPError as e:
+                if e.code != 400:
+                    raise
+            time.sleep(0.25)
+        raise RuntimeError(f"{url}: the server stayed busy for 10 s after a run")
 
     def stop(self) -> None:
         for server in self.servers.values():

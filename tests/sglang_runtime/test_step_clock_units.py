@@ -58,6 +58,7 @@ def test_a_windows_gaps_between_decode_steps_are_split_into_their_parts(tmp_path
     assert got["decode_s"] == pytest.approx(0.3)
     assert got["gap_s"] == pytest.approx(0.6 + 0.05)
     assert got["prefill_s"] == pytest.approx(0.5)
+    assert got["prefill_tokens"] == 200 + 50  # every prefill in the window
     assert got["process_s"] == pytest.approx(0.04)
     assert got["next_s"] == pytest.approx(0.015)
     assert got["max_gap_s"] == pytest.approx(0.6)

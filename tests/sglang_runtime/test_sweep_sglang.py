@@ -77,11 +77,15 @@ def test_sweep_replays_the_same_requests_on_every_sglang_server(sglang_python,
     records = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
     assert len(records) == 1 + len(runs)  # the capacity probe and every run, checkpointed
     # --step-clock: every server's clock (plain's too); each run's record says where the
-    # time between its decode steps went, its 8 prefills among it
+    # time between its decode steps went, its 8 prefills among it, and what they read:
+    # whole prompts, every run starting from an empty prefix cache (without the flush
+    # plain's run read ~1 token a request: the warm-up and the capacity probe, run on
+    # plain's server alone, had cached its prompts)
     assert sorted(p.name for p in logs.glob("*.clock.txt")) == sorted(
         f"{s.replace(':', '-')}.clock.txt" for s in systems.split(","))
     for rec in records[1:]:
         gaps = rec["step_clock"]
         assert gaps["decode_steps"] > 1 and gaps["decode_s"] > 0, rec["key"]
         assert 0 < gaps["prefill_s"] <= gaps["gap_s"], rec["key"]
+        assert gaps["prefill_tokens"] > 8 * 4, rec
         assert gaps["max_gap_s"] <= gaps["gap_s"]
