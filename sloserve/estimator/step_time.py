@@ -80,6 +80,10 @@ class StepTimer:
     lag_cap prices at most this many catch-up tokens per request, None the real lag;
     lag_credit ([B] tokens) prices request r's lag less lag_credit[r] but never below
     min(lag, lag_cap) (lag_cap None: 0), the catch-up its forgone gains have paid for.
+    Either prices a plan's catch-up below what it takes: `excused` ([B] seconds, the draft's
+    b a token) is what each request's catch-up takes past its price, which the plans add
+    back where a step's time is held to a TPOT limit (a credit is a reason to draft, not
+    a faster forward).
     """
 
     def __init__(self, cost: CostModel, step: StepInfo, lag_cap: float | None = None,
@@ -88,12 +92,15 @@ class StepTimer:
         self.batch_size = step.batch_size
         self.n = np.asarray(step.context_lens, dtype=np.float64)  # [B] target KV lengths
         self.lag = draft_lag(step)  # [B]
+        full = self.lag
         if lag_credit is not None:
             floor = np.minimum(self.lag, lag_cap) if lag_cap is not None else 0.0
             self.lag = np.maximum(self.lag - lag_credit, floor)
         elif lag_cap is not None:
             self.lag = np.minimum(self.lag, lag_cap)
         self.has_lag = bool(np.count_nonzero(self.lag))
+        self.excused = cost.draft.b * (full - self.lag)  # [B] seconds, >= 0
+        self.has_excused = bool(np.count_nonzero(self.excused))
         self.verify_ctx = float(self.n.sum()) + float(step.prefill_context)
         self.verify_q0 = float(self.batch_size + step.prefill_tokens)  # query tokens at k = 0
         # T of plain decoding (k = 0 for all, no draft forward); a speculating engine's draft

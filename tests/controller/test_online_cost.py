@@ -260,6 +260,41 @@ def test_the_catch_up_is_priced_less_its_credit_under_a_binding_slo_too():
     np.testing.assert_array_equal(old.timer.lag, np.full(B, 403.0))  # the real catch-up
 
 
+def test_a_credit_lowers_the_catch_ups_price_not_the_time_held_to_the_slo():
+    """A credit is a reason to draft, not a faster forward: the plan weighs the catch-up at
+    its price less the credit, but holds the step's time to the SLO with all of it. Under
+    an SLO that the step with the whole batch's catch-up (16 x 400 draft rows, ~0.7 s)
+    breaks, a paused batch resumes with as many requests as fit, or none; with the time
+    held at the credited price all 16 resumed into a step 0.7 s longer than planned (the
+    sweep inside SGLang at 1x on the AVX-512 EPYC, 2026-12-07: 0.3-1.1 s steps at batch
+    5-12 against a 75 ms tight TPOT)."""
+    B = 16
+
+    def resumes(slo: float) -> tuple[int, object]:
+        policy = SpecServePolicy(COST, 8, prior=0.8)
+        for i in range(60):
+            plan = policy.plan(make_step(B, context=512, lag=np.full(B, 400 + i),
+                                         slo=np.full(B, slo)))
+            if plan.drafting.any():
+                return i, plan
+            policy.observe(plan, _plain_outcome(B, plan.timer.plain))
+        return 60, plan
+
+    waited, plan = resumes(10.0)  # a loose SLO: the credit's rule as without one
+    assert 10 <= waited <= 40
+    real = plan.time + float(plan.timer.excused[plan.drafting].sum())
+    assert plan.timer.excused.sum() > 0.5 and real < plan.slo_all
+    # the same batch under an SLO whose limit (the guard's initial 2x) lies between the
+    # step's credited time and its real one
+    tight = plan.time + real
+    assert plan.time < tight / 2.0 < real
+    _, plan = resumes(tight)
+    assert 0 < np.count_nonzero(plan.drafting) < B
+    assert plan.time + float(plan.timer.excused[plan.drafting].sum()) <= tight / 2.0
+    _, plan = resumes(0.4)  # a limit of 0.2 s: no prefix that fits raises E
+    assert not plan.drafting.any()
+
+
 @pytest.mark.parametrize("rule", ["decode-only E", "paper E"])
 def test_prefill_chunks_change_the_plan_only_under_the_papers_rule(rule):
     """A draft token is worth the same whether or not the step also carries a prefill chunk

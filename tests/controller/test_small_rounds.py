@@ -127,3 +127,25 @@ def test_small_batch_path_decides_as_the_numpy_path_with_per_request_limits():
         conf = rng.beta(2.0, 1.2, (B, 8))
         exercised |= _compare(numpy_path, small_path, step, conf, t)
     assert {0, 1, 2, "subset"} <= exercised
+
+
+def test_small_batch_path_decides_as_the_numpy_path_with_credited_catch_ups():
+    """Long catch-ups (a prompt the draft never read) priced less their credit under TPOT
+    limits, which hold the step's time with the whole catch-up (StepTimer.excused): both
+    paths alike, through steps where the limit cut the drafters to a subset."""
+    from sloserve.policies.specserve.slo_policy import SloSpecServePolicy
+
+    rng = np.random.default_rng(5)
+    numpy_path = SloSpecServePolicy(KNEE, 8, small_batch=0, prior=0.8)
+    small_path = SloSpecServePolicy(KNEE, 8, small_batch=64, prior=0.8)
+    exercised, excused = set(), 0
+    for t in range(200):
+        B = int(rng.integers(2, 9))
+        step = dataclasses.replace(
+            _random_step(rng, B, t // 40 * 40, False),  # requests that live 40 steps
+            draft_lag=rng.integers(100, 400, B), tpot_slo=rng.uniform(0.03, 0.3, B))
+        conf = rng.beta(4.0, 1.2, (B, 8))
+        # a request with credit and a catch-up: the step's plans have excused seconds
+        excused += bool(numpy_path.history.credit.any())
+        exercised |= _compare(numpy_path, small_path, step, conf, t)
+    assert excused and {0, 1, "subset"} <= exercised

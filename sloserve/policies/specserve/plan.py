@@ -182,6 +182,9 @@ class SpecServePlan(SpecPlan):
         if B == 0 or k_max <= 0:
             return 0
         times = self.timer.uniform(k_max)  # [k_max + 1]
+        # every request's catch-up past its price (StepTimer.excused): in the time held
+        # to the SLO, not in E
+        hidden = float(self.timer.excused.sum()) if self.timer.has_excused else 0.0
         pred = np.asarray(self.first_predictions(), dtype=np.float64)  # [B]
         chain = np.ones(B)
         tokens = float(B)
@@ -190,7 +193,7 @@ class SpecServePlan(SpecPlan):
         for k in range(1, k_max + 1):
             chain = chain * pred
             tokens += float(chain.sum())
-            if times[k] > self.slo:  # times rise with k: no longer plan fits either
+            if times[k] + hidden > self.slo:  # times rise with k: no longer plan fits either
                 break
             e = tokens / (times[k] - self.unscored)
             if e <= best_e:
@@ -200,6 +203,8 @@ class SpecServePlan(SpecPlan):
             best_k, best_tokens, best_e = k, tokens, e
         self.tokens, self.time = best_tokens, float(times[best_k])
         self.k_total = best_k * B
+        if best_k:  # the limit of self.time from here on (verify_lengths' elimination)
+            self.slo -= hidden
         return best_k
 
     def absorb_counts(self, verified: np.ndarray, accepted: np.ndarray) -> None:
@@ -278,10 +283,15 @@ class SpecServePlan(SpecPlan):
         score = tokens / (time - self.unscored)  # E of each prefix
         current = self.tokens / (self.time - self.unscored) * margin
         limit = self._prefix_limits(order) if j == 0 and self.split_limits is not None else None
+        # [B] the first forward's catch-up past its price (StepTimer.excused) over each
+        # prefix: held to the limit, not scored
+        hidden = (_accumulate(self.timer.excused.take(order))
+                  if j == 0 and self.timer.has_excused else None)
+        held = time if hidden is None else time + hidden
         if limit is not None:
-            score[time > limit] = -np.inf
+            score[held > limit] = -np.inf
         elif self.slo < float("inf"):
-            score[time > self.slo] = -np.inf
+            score[held > self.slo] = -np.inf
         best = int(score.argmax())
         if opts.uniform_margin:
             # a strict subset of the candidates drafts only if it scores uniform_margin above
@@ -302,6 +312,8 @@ class SpecServePlan(SpecPlan):
         drafting[order[: best + 1]] = True
         self.time = float(time[best])
         self.k_total += best + 1
+        if hidden is not None:  # the limit of self.time in the rounds after this one
+            self.slo -= float(hidden[best])
         return drafting
 
     def _prefix_limits(self, order: np.ndarray) -> np.ndarray:

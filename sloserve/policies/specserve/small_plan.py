@@ -15,6 +15,7 @@ State (lists of Python floats, one entry per request; P stays the numpy array of
     first_l  what a first round is planned at (`first`); seen_l: tokens absorbed (`seen`)
     p_last_l the chain probability of the last drafted position (`p_last`)
     n_l, lag_l  the StepTimer's context lengths and catch-up tokens (lag_l None: no lag)
+    excused_l   the StepTimer's catch-up seconds past their price (None: none)
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class SmallSpecServePlan(SpecServePlan):
         t = self.timer
         self.n_l = t.n.tolist()
         self.lag_l = t.lag.tolist() if t.has_lag else None
+        self.excused_l = t.excused.tolist() if t.has_excused else None
         self.pred_l = self.pred.tolist()
         self.first_l = self.first.tolist() if self.first is not self.pred else self.pred_l
         self.seen_l = self.seen.tolist()
@@ -128,10 +130,17 @@ class SmallSpecServePlan(SpecServePlan):
         current = self.tokens / (self.time - un) * margin
         limit = self._prefix_limits_small(order) if j == 0 and self.split_limits is not None \
             else None
+        held, hidden = time, None
+        if j == 0 and self.excused_l is not None:  # plan.py's prefix sums of excused
+            hidden, acc = [], 0.0
+            for i in order:
+                acc += self.excused_l[i]
+                hidden.append(acc)
+            held = [tm + h for tm, h in zip(time, hidden)]
         if limit is not None:
-            score = [-np.inf if tm > lim else s for s, tm, lim in zip(score, time, limit)]
+            score = [-np.inf if tm > lim else s for s, tm, lim in zip(score, held, limit)]
         elif self.slo < float("inf"):
-            score = [-np.inf if tm > self.slo else s for s, tm in zip(score, time)]
+            score = [-np.inf if tm > self.slo else s for s, tm in zip(score, held)]
         best = 0
         for m in range(1, B):
             if score[m] > score[best]:
@@ -152,6 +161,8 @@ class SmallSpecServePlan(SpecServePlan):
         drafting[order[: best + 1]] = True
         self.time = time[best]
         self.k_total += best + 1
+        if hidden is not None:
+            self.slo -= hidden[best]
         return drafting
 
     def _prefix_limits_small(self, order: list[int]) -> list[float]:
