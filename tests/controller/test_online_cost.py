@@ -90,6 +90,28 @@ def test_an_outlier_step_is_clipped():
     assert max(c.theta) < 1.2
 
 
+
+def test_the_policys_price_clip_bounds_what_one_slow_step_moves():
+    """SpecServeOptions.price_clip is the correction's clip: a step measured 1.6x its price
+    counts at most 1.1x under price_clip=1.1, in full under the default 2.0; out of range
+    is refused naming the option."""
+    from sloserve.policies.specserve.options import SpecServeOptions, parse_options
+
+    tight = SpecServePolicy(COST, k_max=4, options=parse_options([("price_clip", "1.1")]))
+    default = SpecServePolicy(COST, k_max=4)
+    assert tight.correction is not None and default.correction is not None
+    moved = []
+    for c in (tight.correction, default.correction):
+        for _ in range(50):
+            c.observe(0.06, 0.01, 0.07, 0.01)
+        before = c.theta_target
+        c.observe(0.06, 0.01, 0.06 * 1.6 * before + 0.01, 0.01)
+        moved.append(c.theta_target / before - 1.0)
+    assert 0.0 < moved[0] < moved[1] / 3
+    with pytest.raises(ValueError, match="price_clip"):
+        SpecServeOptions(price_clip=1.0)
+
+
 def _plan(policy, step, conf):
     """(drafted, verified, plan) of one step in engine order."""
     plan = policy.plan(step)

@@ -77,6 +77,10 @@ class SpecServeOptions:
     # on (a low one, by the stopping rule) and so under-predicts the next first token
     first_estimate: bool = True
     correct_cost: bool = True  # correct the profile online from measured step times
+    # a step's measured seconds count at most this many times, and at least its inverse,
+    # the correction's prediction (online_cost.py `clip`): a GC pause or a preempted step
+    # must not swing the prices
+    price_clip: float = 2.0
     score_prefill: bool = False  # True: the paper's E over the whole step, prefill included
     small_batch: int = SMALL_BATCH  # at most this many requests: plans on Python floats
 
@@ -87,6 +91,8 @@ class SpecServeOptions:
             raise ValueError(f"prior must be in [0, 1], got {self.prior}")
         if not 0.0 <= self.pause_relax <= 1.0:
             raise ValueError(f"pause_relax must be in [0, 1], got {self.pause_relax}")
+        if not self.price_clip > 1.0:
+            raise ValueError(f"price_clip must be > 1, got {self.price_clip}")
         if self.overrun_window < 1 or self.initial_overrun < 1.0:
             raise ValueError("overrun_window must be >= 1 and initial_overrun >= 1")
 
