@@ -47,7 +47,8 @@ def replay(cost: CostModel, lines: list[dict], *, clip: float = 2.0,
     was measured."""
     corr = StepCostCorrection(verify_fixed=cost.verify_fixed, clip=clip, forget=forget)
     errors: list[float] = []
-    off_server = 0.0  # the largest |scale - the server's logged scale|
+    # the largest |scale - the server's logged scale| (v in milliseconds)
+    off_server = 0.0
     per_batch: dict[int, dict[str, list]] = {}
     for line in lines:
         if line.get("verify", 0.0) <= 0.0 or line.get("step", 0.0) <= 0.0 or line.get("cold"):
@@ -63,6 +64,8 @@ def replay(cost: CostModel, lines: list[dict], *, clip: float = 2.0,
         if "theta" in line:
             off_server = max(off_server, abs(corr.theta_verify - line["theta"][1]),
                              abs(corr.theta_target - line["theta"][0]))
+        if "verify_fixed" in line:  # (the worker logs it in seconds, rounded to 1 us)
+            off_server = max(off_server, abs(corr.verify_fixed - line["verify_fixed"]) / 1e-3)
         b = per_batch.setdefault(batch, {"theta_verify": [], "v": [], "price1": [],
                                          "price2": [], "measured": []})
         b["theta_verify"].append(corr.theta_verify)
@@ -143,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
           "forward of the steps verifying that many tokens less the median decode forward")
     print_table(["file", "batch", "steps", "theta_verify", "v ms", "price 1 a request",
                  "measured", "price 2 a request", "measured", "step-ahead |error| median",
-                 "max |scale - server's|"], rows)
+                 "max |scale - server's| (v in ms)"], rows)
     if args.out:
         write_json(args.out, {"profile": args.profile, "results": results})
 

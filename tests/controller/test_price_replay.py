@@ -72,7 +72,10 @@ def test_the_replay_reproduces_the_scales_a_server_logged(tmp_path):
         corr.observe(plain + tokens, 0.0, line["step"], None, measured_target=line["verify"],
                      overhead=COST.overhead, verify_part=tokens if verifies else None)
         line["theta"] = [corr.theta_target, corr.theta_verify, 1.0]
+        line["verify_fixed"] = corr.verify_fixed
     assert replay(COST, lines)["off_server"] == pytest.approx(0.0, abs=1e-12)
+    lines[-1]["verify_fixed"] += 2e-3  # a server that priced its verify path 2 ms dearer
+    assert replay(COST, lines)["off_server"] == pytest.approx(2.0)
     cold = [dict(line, cold=True) for line in lines]
     assert replay(COST, cold)["steps"] == 0  # cold steps stay out, as in the policy
 
