@@ -109,7 +109,7 @@ def _ms(p: list[float]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m sloserve.bench.price_replay",
-                                description=__doc__.split("\n\n")[0])
+                                description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("timings", nargs="+", help="timings files (JSON lines, one per step)")
     p.add_argument("--profile", required=True, help="the cost profile the server priced with")
     p.add_argument("--clip", type=float, default=2.0, help="the correction's sample clip")
