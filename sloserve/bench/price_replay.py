@@ -41,11 +41,12 @@ def features(cost: CostModel, line: dict) -> tuple[float, float, bool]:
 
 
 def replay(cost: CostModel, lines: list[dict], *, clip: float = 2.0,
-           forget: float = 0.98) -> dict:
+           forget: float = 0.98, anchor: float = 0.0) -> dict:
     """The correction fed the decode steps of `lines` in order (cold ones left out, as the
     policy leaves them out: a shape's first run), and per batch size what it priced and what
     was measured."""
-    corr = StepCostCorrection(verify_fixed=cost.verify_fixed, clip=clip, forget=forget)
+    corr = StepCostCorrection(verify_fixed=cost.verify_fixed, clip=clip, forget=forget,
+                              anchor=anchor)
     errors: list[float] = []
     # the largest |scale - the server's logged scale| (v in milliseconds)
     off_server = 0.0
@@ -74,7 +75,7 @@ def replay(cost: CostModel, lines: list[dict], *, clip: float = 2.0,
         for n, key in ((1, "price1"), (2, "price2")):  # n tokens a request
             paid = max(0.0, n * batch - max(0.0, cost.target.q0 - batch))
             b[key].append(corr.theta_verify * cost.token_time(batch) * paid + corr.verify_fixed)
-    out: dict = {"steps": len(errors), "clip": clip, "forget": forget,
+    out: dict = {"steps": len(errors), "clip": clip, "forget": forget, "anchor": anchor,
                  "error_median": _q(np.abs(errors), 50), "error_mean": float(np.mean(
                      np.abs(errors))) if errors else None,
                  "off_server": off_server, "batches": {}}
@@ -115,12 +116,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--clip", type=float, default=2.0, help="the correction's sample clip")
     p.add_argument("--forget", type=float, default=0.98,
                    help="the correction's forgetting factor")
+    p.add_argument("--anchor", type=float, default=0.0,
+                   help="the slow fit's forgetting factor the windowed fit's priors follow "
+                        "(0: off, the profile's priors)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     if not args.clip > 1.0:
         p.error(f"argument --clip: must be > 1, got {args.clip}")
     if not 0.0 < args.forget <= 1.0:
         p.error(f"argument --forget: must be in (0, 1], got {args.forget}")
+    if not (args.anchor == 0.0 or args.forget <= args.anchor <= 1.0):
+        p.error(f"argument --anchor: must be 0 or in [--forget, 1], got {args.anchor}")
     try:
         cost = read_profile(args.profile).cost_model()
     except (OSError, ValueError, KeyError) as e:
@@ -132,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
             lines = [json.loads(t) for t in Path(path).read_text().splitlines() if t.strip()]
         except (OSError, ValueError) as e:
             p.error(f"cannot read timings file {path}: {e}")
-        r = results[path] = replay(cost, lines, clip=args.clip, forget=args.forget)
+        r = results[path] = replay(cost, lines, clip=args.clip, forget=args.forget,
+                                   anchor=args.anchor)
         for batch, b in r["batches"].items():
             if b["steps"] < 20:
                 continue
@@ -141,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
                          _ms(b["price1"]), _ms([b["measured1"]]) if b["measured1"] else "-",
                          _ms(b["price2"]), _ms([b["measured2"]]) if b["measured2"] else "-",
                          f"{100 * r['error_median']:.1f}%", f"{r['off_server']:.3f}"])
-    print(f"the online correction (clip {args.clip}, forget {args.forget}) replayed; "
+    print(f"the online correction (clip {args.clip}, forget {args.forget}, anchor "
+          f"{args.anchor}) replayed; "
           "p10 / p50 / p90 over each batch size's steps, ms; measured: the median verify "
           "forward of the steps verifying that many tokens less the median decode forward")
     print_table(["file", "batch", "steps", "theta_verify", "v ms", "price 1 a request",

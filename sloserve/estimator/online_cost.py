@@ -80,9 +80,11 @@ PROFILE_MAX_SCALE = 2.0
 class StepCostCorrection:
     def __init__(self, forget: float = 0.98, prior_weight: float = 8.0, ridge: float = 0.25,
                  clip: float = 2.0, max_scale: float = PROFILE_MAX_SCALE,
-                 verify_fixed: float = 0.0) -> None:
+                 verify_fixed: float = 0.0, anchor: float = 0.0) -> None:
         if not 0.0 < forget <= 1.0:
             raise ValueError(f"forget must be in (0, 1], got {forget}")
+        if not (anchor == 0.0 or forget <= anchor <= 1.0):
+            raise ValueError(f"anchor must be 0 (off) or in [forget, 1], got {anchor}")
         self.forget = forget
         self.prior_weight = prior_weight
         self.prior_left = prior_weight  # the fading prior's pseudo-steps
@@ -103,6 +105,16 @@ class StepCostCorrection:
         self.sxx3 = [[0.0] * 3 for _ in range(3)]
         self.sxy3 = [0.0] * 3
         self.tok2 = 0.0
+        # the anchor (anchor > 0): the same three-feature fit with forgetting factor
+        # `anchor`, its priors the profile's; the windowed fit's priors are its scales
+        # (sxx3 / sxy3 / n_verify / prior_left of the slow fit)
+        self.anchor = anchor
+        self.slow = [[0.0] * 3 for _ in range(3)]
+        self.slow_y = [0.0] * 3
+        self.slow_n_verify = 0.0
+        self.slow_prior_left = prior_weight
+        self.slow_n = 0.0
+        self.slow_tt = 0.0
         self.plain_typ = 0.0  # the plain forward feature's typical value (v's upper bound)
         # draft fit: exponentially weighted sums of d = profiled and m = measured draft
         # seconds, and d's typical square over the steps that drafted (it does not fade
@@ -198,8 +210,9 @@ class StepCostCorrection:
         self.n_verify = f * self.n_verify + (1.0 if x[2] > 0.0 else 0.0)
         wv = self._prior_for(self.n_verify)
         prior_w = (lam, wv * self.tok2 if self.tok2 > 0.0 else lam, wv)
+        means = self._anchor_means(x, y, v0) if self.anchor else (1.0, 1.0, v0)
         A = [[sxx[i][j] + (prior_w[i] if i == j else 0.0) for j in range(3)] for i in range(3)]
-        b = [sxy[i] + prior_w[i] * p for i, p in enumerate((1.0, 1.0, v0))]
+        b = [sxy[i] + prior_w[i] * p for i, p in enumerate(means)]
         theta = solve3(A, b)
         if theta is None:  # singular
             return
@@ -211,6 +224,38 @@ class StepCostCorrection:
         self.theta_verify = min(max(float(theta[1]), self.max_scale ** -2), self.max_scale ** 2)
         v_max = max(self.max_scale * v0, self.plain_typ)
         self.verify_fixed = min(max(float(theta[2]), v0 / self.max_scale), v_max)
+
+    def _anchor_means(self, x: tuple[float, float, float], y: float,
+                      v0: float) -> tuple[float, float, float]:
+        """The slow fit's (theta_target, theta_verify, v) after this step: the windowed
+        fit's prior means. Its own priors are the profile's, weighted as the windowed fit's
+        are but fading at `anchor`, so over a pause of ~1 / (1 - forget) steps the windowed
+        fit returns to what the run measured, not to the profile; over one of
+        ~1 / (1 - anchor) steps both return to the profile. Bounded as the scales are."""
+        fa = self.anchor
+        S, Sy = self.slow, self.slow_y
+        for i in range(3):
+            row = S[i]
+            for j in range(3):
+                row[j] = fa * row[j] + x[i] * x[j]
+            Sy[i] = fa * Sy[i] + x[i] * y
+        self.slow_prior_left *= fa
+        self.slow_n = fa * self.slow_n + 1.0
+        self.slow_tt = fa * self.slow_tt + (x[0] + x[1]) ** 2
+        self.slow_n_verify = fa * self.slow_n_verify + (1.0 if x[2] > 0.0 else 0.0)
+        w = self.slow_prior_left + self.ridge
+        lam = w * self.slow_tt / self.slow_n
+        wv = max(self.slow_prior_left, self.prior_weight - self.slow_n_verify) + self.ridge
+        prior_w = (lam, wv * self.tok2 if self.tok2 > 0.0 else lam, wv)
+        A = [[S[i][j] + (prior_w[i] if i == j else 0.0) for j in range(3)] for i in range(3)]
+        b = [Sy[i] + prior_w[i] * p for i, p in enumerate((1.0, 1.0, v0))]
+        theta = solve3(A, b)
+        if theta is None:
+            return 1.0, 1.0, v0
+        v_max = max(self.max_scale * v0, self.plain_typ)
+        return (self._bound(float(theta[0])),
+                min(max(float(theta[1]), self.max_scale ** -2), self.max_scale ** 2),
+                min(max(float(theta[2]), v0 / self.max_scale), v_max))
 
     def _observe_draft(self, draft: float, measured_draft: float | None) -> tuple[float, float]:
         """Fade every sum by one step and fit theta_draft on this step's drafting. Returns

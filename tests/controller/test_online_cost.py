@@ -596,3 +596,33 @@ def test_a_slow_first_step_after_a_long_pause_moves_the_scales_as_at_the_start()
     assert after.verify_fixed <= fresh.verify_fixed * 1.1 and after.verify_fixed < 0.0045
     busy = run(0)  # right after steady evidence the step moves the fit even less
     assert busy.theta_draft < 1.1 and busy.verify_fixed < 0.0035
+
+
+def test_an_anchored_fit_forgets_towards_the_runs_prices_not_the_profiles():
+    """The verify path measured at 5 ms against the profile's 9 over 400 steps, then 150
+    steps that verify nothing (the plan stopped drafting): without the anchor the windowed
+    fit returns to the profile's v (and the plan, seeing speculation dear, does not draft
+    again to correct it); anchored to a slow fit of the same features (`anchor`, ~500
+    steps), it returns to what the run measured. While steps verify, both track them."""
+    def run(anchor: float, pause: int) -> StepCostCorrection:
+        rng = np.random.default_rng(2)
+        c = StepCostCorrection(verify_fixed=0.009, anchor=anchor)
+        for _ in range(400):
+            plain = rng.uniform(0.05, 0.07)
+            k = int(rng.integers(1, 4)) if rng.random() < 0.7 else 0
+            tokens = 0.002 * k
+            measured = plain + tokens + (0.005 if k else 0.0)
+            c.observe(plain + tokens, 0.0, measured + 0.001, measured_target=measured,
+                      verify_part=tokens if k else None)
+        for _ in range(pause):
+            c.observe(0.06, 0.0, 0.061, measured_target=0.06)
+        return c
+
+    for anchor in (0.0, 0.998):
+        assert run(anchor, 0).verify_fixed == pytest.approx(0.005, abs=0.0008)
+    assert run(0.0, 150).verify_fixed > 0.0075  # back at the profile's 9 ms
+    anchored = run(0.998, 150)
+    assert anchored.verify_fixed < 0.006
+    assert anchored.theta_target == pytest.approx(1.0, abs=0.02)
+    with pytest.raises(ValueError, match="anchor"):
+        StepCostCorrection(anchor=0.5)

@@ -81,6 +81,10 @@ class SpecServeOptions:
     # the correction's prediction (online_cost.py `clip`): a GC pause or a preempted step
     # must not swing the prices
     price_clip: float = 2.0
+    # the forgetting factor of a slow fit of the same prices (online_cost.py `anchor`) whose
+    # scales are the windowed fit's priors: over a pause the prices return to what the run
+    # measured rather than to the profile. 0: off, the profile's priors
+    price_anchor: float = 0.0
     score_prefill: bool = False  # True: the paper's E over the whole step, prefill included
     small_batch: int = SMALL_BATCH  # at most this many requests: plans on Python floats
 
@@ -93,6 +97,9 @@ class SpecServeOptions:
             raise ValueError(f"pause_relax must be in [0, 1], got {self.pause_relax}")
         if not self.price_clip > 1.0:
             raise ValueError(f"price_clip must be > 1, got {self.price_clip}")
+        if not (self.price_anchor == 0.0 or 0.98 <= self.price_anchor <= 1.0):
+            raise ValueError(f"price_anchor must be 0 (off) or in [0.98, 1], got "
+                             f"{self.price_anchor}")
         if self.overrun_window < 1 or self.initial_overrun < 1.0:
             raise ValueError("overrun_window must be >= 1 and initial_overrun >= 1")
 

@@ -64,7 +64,7 @@ class SpecServePolicy(SpecPolicy):
         self.history = RequestTable()
         self.prior = opts.prior
         self.correction = (StepCostCorrection(
-            verify_fixed=cost.verify_fixed, clip=opts.price_clip,
+            verify_fixed=cost.verify_fixed, clip=opts.price_clip, anchor=opts.price_anchor,
             max_scale=ROUGH_MAX_SCALE if cost.rough else PROFILE_MAX_SCALE)
             if opts.correct_cost else None)
         self.prices = Prices(cost)
