@@ -59,6 +59,15 @@ preempted step must not swing the fit), and every scale stays in
 [1 / max_scale, max_scale] (v: within max_scale of the profile's, or up to a plain forward;
 theta_verify within max_scale^2).
 
+The anchor (`anchor` > 0, SpecServe's `price_anchor`): the windowed fits' priors are the
+scales of slow fits of the same features (forgetting factor `anchor`, ~500 steps at 0.998)
+whose priors are the profile's, not the profile's own. The fit's data follow the plan's
+choices: a verify price estimated high stops the steps that would correct it, and over that
+pause the window forgot towards the profile (at batch 4 on SGLang's CPU runtime the windowed
+price of 8 verified tokens sat at a median 19 ms against 12 measured, where a whole-run fit
+of the same steps priced 12.1; 2026-12-07, price_replay). Anchored, a pause forgets towards
+what the run measured; a pause as long as the slow window returns to the profile.
+
 The fit runs every step on Python floats: after a forward, numpy's calls run on cold caches
 (the three-feature fit's array building and 3 x 3 solve took ~195 us a step cold against
 ~21 us warm, numpy's solve alone ~77 us; 2-core AVX2 EPYC, 2026-12-06), where a few dozen
@@ -105,9 +114,9 @@ class StepCostCorrection:
         self.sxx3 = [[0.0] * 3 for _ in range(3)]
         self.sxy3 = [0.0] * 3
         self.tok2 = 0.0
-        # the anchor (anchor > 0): the same three-feature fit with forgetting factor
-        # `anchor`, its priors the profile's; the windowed fit's priors are its scales
-        # (sxx3 / sxy3 / n_verify / prior_left of the slow fit)
+        # the anchor (anchor > 0): the same fits (the three-feature target fit and the
+        # draft's ratio fit) with forgetting factor `anchor`, their priors the profile's;
+        # the windowed fits' priors are their scales
         self.anchor = anchor
         self.slow = [[0.0] * 3 for _ in range(3)]
         self.slow_y = [0.0] * 3
@@ -115,6 +124,7 @@ class StepCostCorrection:
         self.slow_prior_left = prior_weight
         self.slow_n = 0.0
         self.slow_tt = 0.0
+        self.slow_dd = self.slow_dm = self.slow_n_draft = 0.0  # the slow draft ratio fit
         self.plain_typ = 0.0  # the plain forward feature's typical value (v's upper bound)
         # draft fit: exponentially weighted sums of d = profiled and m = measured draft
         # seconds, and d's typical square over the steps that drafted (it does not fade
@@ -239,7 +249,6 @@ class StepCostCorrection:
             for j in range(3):
                 row[j] = fa * row[j] + x[i] * x[j]
             Sy[i] = fa * Sy[i] + x[i] * y
-        self.slow_prior_left *= fa
         self.slow_n = fa * self.slow_n + 1.0
         self.slow_tt = fa * self.slow_tt + (x[0] + x[1]) ** 2
         self.slow_n_verify = fa * self.slow_n_verify + (1.0 if x[2] > 0.0 else 0.0)
@@ -266,18 +275,32 @@ class StepCostCorrection:
         w = self.prior_left + self.ridge
         self.sdd *= f
         self.sdm *= f
+        fa = self.anchor
+        self.slow_prior_left *= fa
+        self.slow_dd *= fa
+        self.slow_dm *= fa
+        self.slow_n_draft *= fa
         if draft > 0.0 and measured_draft is not None and measured_draft > 0.0:
             m_draft = self._clipped(measured_draft, self.theta_draft * draft)
             self.sdd += draft * draft
             self.sdm += draft * m_draft
             self.d2 = self._typical(self.d2, draft * draft)
             self.n_draft = f * self.n_draft + 1.0
+            if fa:
+                self.slow_dd += draft * draft
+                self.slow_dm += draft * m_draft
+                self.slow_n_draft += 1.0
         else:
             m_draft = self.theta_draft * draft
             self.n_draft *= f
         if self.d2 > 0.0:
             lam = self._prior_for(self.n_draft) * self.d2
-            self.theta_draft = self._bound((self.sdm + lam) / (self.sdd + lam))
+            mean = 1.0
+            if fa:  # the slow ratio fit's scale, its prior the profile's
+                lam_s = (max(self.slow_prior_left, self.prior_weight - self.slow_n_draft)
+                         + self.ridge) * self.d2
+                mean = self._bound((self.slow_dm + lam_s) / (self.slow_dd + lam_s))
+            self.theta_draft = self._bound((self.sdm + lam * mean) / (self.sdd + lam))
         return w, m_draft
 
     def _prior_for(self, n: float) -> float:

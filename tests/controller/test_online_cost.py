@@ -626,3 +626,21 @@ def test_an_anchored_fit_forgets_towards_the_runs_prices_not_the_profiles():
     assert anchored.theta_target == pytest.approx(1.0, abs=0.02)
     with pytest.raises(ValueError, match="anchor"):
         StepCostCorrection(anchor=0.5)
+
+
+def test_an_anchored_draft_scale_keeps_what_the_run_measured_over_a_pause():
+    """Drafting measured 3x its estimate (a rough estimate: no profile), then 200 steps
+    without drafting: the windowed scale returns towards the estimate (and a plan would
+    draft again at a third of its price); anchored, it stays near what was measured."""
+    def run(anchor: float) -> float:
+        c = StepCostCorrection(anchor=anchor, max_scale=8.0)
+        for i in range(300):
+            d = 0.01 if i % 2 else 0.0
+            c.observe(0.05, d, 0.05 + 3 * d, 3 * d if d else None, measured_target=0.05)
+        assert c.theta_draft == pytest.approx(3.0, rel=0.05)
+        for _ in range(200):
+            c.observe(0.05, 0.0, 0.05, None, measured_target=0.05)
+        return c.theta_draft
+
+    assert run(0.0) < 1.5
+    assert run(0.998) > 2.5
