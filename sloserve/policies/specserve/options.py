@@ -81,10 +81,13 @@ class SpecServeOptions:
     # the correction's prediction (online_cost.py `clip`): a GC pause or a preempted step
     # must not swing the prices
     price_clip: float = 2.0
-    # the forgetting factor of a slow fit of the same prices (online_cost.py `anchor`) whose
-    # scales are the windowed fit's priors: over a pause the prices return to what the run
-    # measured rather than to the profile. 0: off, the profile's priors
-    price_anchor: float = 0.0
+    # the forgetting factor of a slow fit of the same prices (online_cost.py `anchor`, ~500
+    # steps) whose scales are the windowed fit's priors: over a pause the prices return to
+    # what the run measured rather than to the profile. 0: off, the profile's priors. With
+    # it, SGLang's per-request mode on the real pair at C = 16 / 4 / 1 ran +3.5% / +8.8% /
+    # +4.6% over the same server without (2-core AMX Xeon, 2026-12-07, BENCHMARKS.md): at
+    # batch 4 the window had priced the verify path at 18 ms against 7 anchored
+    price_anchor: float = 0.998
     score_prefill: bool = False  # True: the paper's E over the whole step, prefill included
     small_batch: int = SMALL_BATCH  # at most this many requests: plans on Python floats
 
