@@ -7,9 +7,10 @@ against the measured medians of those steps, and the fit's step-ahead error.
     python -m sloserve.bench.price_replay --profile PROFILE.json \
         out/RUN_logs/sloserve.timings.jsonl [--clip 1.1] [--forget 0.99] [--out out/x.json]
 
-The fit gets each step's features as the SpecServe policy builds them (policy.py
-`_correct_prices`: the target forward's profiled seconds at the step's context and batch,
-the verified tokens past the target's knee at the profile's price a token at that batch),
+The fit gets each step's features as the SpecServe policy builds them (both through
+`CostModel.fit_features`: the target forward's profiled seconds at the step's context and
+batch, the verified tokens past the target's knee at the profile's price a token at that
+batch),
 so with the defaults it reproduces the server's own scales (each line's "theta" and
 "verify_fixed", reported as the largest difference). Seconds, not a benchmark: it runs in
 a second and reads only the files it is given."""
@@ -35,9 +36,8 @@ def features(cost: CostModel, line: dict) -> tuple[float, float, bool]:
     """(profiled target forward seconds less its verified tokens, the verified tokens'
     profiled seconds, whether the step verified any) of one timings line."""
     batch, verified = int(line["batch"]), int(line["verified"])
-    plain = cost.target.time(float(line["context"]), float(batch))
-    paid = max(0.0, verified - max(0.0, cost.target.q0 - batch))
-    return plain, cost.token_time(batch) * paid, verified > 0
+    plain, tokens = cost.fit_features(float(line["context"]), float(batch), batch, verified)
+    return plain, tokens, verified > 0
 
 
 def replay(cost: CostModel, lines: list[dict], *, clip: float = 2.0,

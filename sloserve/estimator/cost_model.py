@@ -85,6 +85,17 @@ class CostModel:
         """The same costs with a drafter that runs no forward (the n-gram drafter)."""
         return replace(self, draft=ForwardCost.free())
 
+    def fit_features(self, context: float, queries: float, batch: int,
+                     verified: float) -> tuple[float, float]:
+        """A decode step's features for the online correction (online_cost.py, three
+        features): (the target forward's profiled seconds at its context and `queries`
+        tokens with no draft verified, the profiled seconds of its `verified` draft tokens
+        past the target's knee at token_time(batch)). The SpecServe policy feeds its steps
+        through this and price_replay replays a server's steps through it, so both fit the
+        same features."""
+        paid = max(0.0, verified - max(0.0, self.target.q0 - queries))
+        return self.target.time(context, queries), self.token_time(batch) * paid
+
     def token_time(self, batch: float) -> float:
         """Seconds one more verified draft token adds to the target forward of a decode
         batch of this size (past the target's knee), token_scale included."""

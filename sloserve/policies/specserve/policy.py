@@ -362,10 +362,12 @@ class SpecServePolicy(SpecPolicy):
         if outcome.verify_time is not None:  # the target forward measured apart
             c = self.profile_cost
             n_verified = float(outcome.verified.sum())
+            plain, tokens = c.fit_features(timer.verify_ctx, timer.verify_q0,
+                                           timer.batch_size, n_verified)
             if c.verify_fixed:  # the fit's features: the verified tokens' profiled seconds
-                verify = c.token_time(timer.batch_size) * timer.paid_verify(n_verified)
+                verify = tokens
             self.correction.observe(
-                c.target.time(timer.verify_ctx, timer.verify_q0) + verify,
+                plain + verify,
                 drafting / prices.theta_draft, outcome.step_time, outcome.draft_time,
                 measured_target=outcome.verify_time, overhead=c.overhead,
                 verify_part=verify if n_verified else None)
