@@ -223,17 +223,32 @@ class StepCostCorrection:
         means = self._anchor_means(x, y, v0) if self.anchor else (1.0, 1.0, v0)
         A = [[sxx[i][j] + (prior_w[i] if i == j else 0.0) for j in range(3)] for i in range(3)]
         b = [sxy[i] + prior_w[i] * p for i, p in enumerate(means)]
+        # (solve3 overwrites A and b: the 2 x 2 refit below needs their first two rows)
+        a00, a01, a02, a11, a12 = A[0][0], A[0][1], A[0][2], A[1][1], A[1][2]
+        b0, b1 = b[0], b[1]
         theta = solve3(A, b)
         if theta is None:  # singular
             return
-        # each clamped on its own, not refitted given the others' bounds: with theta_target
-        # at its bound (a rough estimate more than max_scale off), a refit would move the
-        # decode forward's misfit into v; clamped alone, v stays the verify path's price
-        # over a decode forward, the difference the plan weighs
+        v_max = max(self.max_scale * v0, self.plain_typ)
+        v = min(max(float(theta[2]), v0 / self.max_scale), v_max)
+        if v != theta[2]:
+            # v at a bound: theta_target and theta_verify refitted given it. Clamped alone,
+            # the tokens' scale kept what the unbounded v had traded it for: at batch 16 on
+            # SGLang's CPU runtime the fit's v fell below its floor, theta_verify rose to
+            # ~1.4 with it, and the floor then priced 16 verified tokens at 35 ms against
+            # 14-23 measured (2026-12-07, price_replay; refitted 19-23 ms)
+            det = a00 * a11 - a01 * a01
+            if det > 0.0:
+                r0, r1 = b0 - a02 * v, b1 - a12 * v
+                theta = [(r0 * a11 - a01 * r1) / det, (a00 * r1 - a01 * r0) / det, v]
+        # theta_target and theta_verify each clamped on its own, not refitted given the
+        # other's bounds: with theta_target at its bound (a rough estimate more than
+        # max_scale off), a refit would move the decode forward's misfit into v; clamped
+        # alone, v stays the verify path's price over a decode forward, the difference the
+        # plan weighs
         self.theta_target = self._bound(float(theta[0]))
         self.theta_verify = min(max(float(theta[1]), self.max_scale ** -2), self.max_scale ** 2)
-        v_max = max(self.max_scale * v0, self.plain_typ)
-        self.verify_fixed = min(max(float(theta[2]), v0 / self.max_scale), v_max)
+        self.verify_fixed = v
 
     def _anchor_means(self, x: tuple[float, float, float], y: float,
                       v0: float) -> tuple[float, float, float]:

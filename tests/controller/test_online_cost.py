@@ -644,3 +644,23 @@ def test_an_anchored_draft_scale_keeps_what_the_run_measured_over_a_pause():
 
     assert run(0.0) < 1.5
     assert run(0.998) > 2.5
+
+
+def test_a_verify_path_below_its_floor_does_not_raise_the_tokens_price():
+    """At batch 16 SGLang's verify path costs next to nothing over its decode forward while
+    the profile says 10 ms (measured at batch 1): v stops at its floor (5 ms), and the
+    tokens' scale is fitted given that floor, so the price of the verified tokens the batch
+    runs stays near what they cost rather than the floor's 5 ms over it."""
+    rng = np.random.default_rng(3)
+    c = StepCostCorrection(verify_fixed=0.01)
+    for _ in range(300):
+        plain = rng.uniform(0.12, 0.14)
+        k = int(rng.integers(12, 33)) if rng.random() < 0.7 else 0
+        tokens = 0.0013 * k  # profiled; they cost 0.8 ms each, nothing fixed
+        measured = plain + 0.0008 * k
+        c.observe(plain + tokens, 0.0, measured + 0.001, measured_target=measured,
+                  verify_part=tokens if k else None)
+    assert c.verify_fixed == pytest.approx(0.005)
+    for k in (16, 32):
+        price = c.theta_verify * 0.0013 * k + c.verify_fixed
+        assert price == pytest.approx(0.0008 * k, rel=0.2)
