@@ -26,7 +26,7 @@ import numpy as np
 
 from sloserve.bench.common import print_table, write_json
 from sloserve.estimator.cost_model import CostModel
-from sloserve.estimator.online_cost import StepCostCorrection
+from sloserve.estimator.online_cost import BatchCorrections, StepCostCorrection
 from sloserve.estimator.profile_file import read_profile
 
 MIN_STEPS = 5  # steps of one (batch, verified) shape before its median is reported
@@ -43,10 +43,11 @@ def features(cost: CostModel, line: dict) -> tuple[float, float, bool]:
 def replay(cost: CostModel, lines: list[dict], *, clip: float = 2.0,
            forget: float = 0.98, anchor: float = 0.0) -> dict:
     """The correction fed the decode steps of `lines` in order (cold ones left out, as the
-    policy leaves them out: a shape's first run), and per batch size what it priced and what
-    was measured."""
-    corr = StepCostCorrection(verify_fixed=cost.verify_fixed, clip=clip, forget=forget,
-                              anchor=anchor)
+    policy leaves them out: a shape's first run), one fit per band of batch sizes as the
+    policy keeps them (BatchCorrections), and per batch size what it priced and what was
+    measured."""
+    bands = BatchCorrections(lambda: StepCostCorrection(
+        verify_fixed=cost.verify_fixed, clip=clip, forget=forget, anchor=anchor))
     errors: list[float] = []
     # the largest |scale - the server's logged scale| (v in milliseconds)
     off_server = 0.0
@@ -55,6 +56,7 @@ def replay(cost: CostModel, lines: list[dict], *, clip: float = 2.0,
         if line.get("verify", 0.0) <= 0.0 or line.get("step", 0.0) <= 0.0 or line.get("cold"):
             continue
         batch, verified = int(line["batch"]), int(line["verified"])
+        corr = bands.for_batch(batch)  # the policy's fit of the step's batch band
         plain, tokens, verifies = features(cost, line)
         predicted = (corr.theta_target * plain
                      + (corr.theta_verify * tokens + corr.verify_fixed if verifies else 0.0))

@@ -76,6 +76,9 @@ float operations cost next to nothing.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 # the bound of every scale over a rough estimate (CostModel.rough: from the models' shapes,
 # no profile), where a profile's is 2: SGLang's float32 decode forward on a 2-core Xeon ran
 # 2-3x rough_cost's at batch 1-4 (2026-12-02: 44-67 ms against 22.5), an AVX2-only EPYC's
@@ -328,6 +331,35 @@ class StepCostCorrection:
 
     def _bound(self, x: float) -> float:
         return min(max(x, 1.0 / self.max_scale), self.max_scale)
+
+
+class BatchCorrections:
+    """One StepCostCorrection per band of decode batch sizes ({1}, {2..7}, {8..31},
+    {32..127}, ...: log2(batch) rounded to an even number), each made by `make` the first
+    time its band runs and kept while other bands run. The fit follows the operating point
+    through its window, but a window learnt at one batch size prices another for its length:
+    after a minute at batch 1, where SGLang's CPU verify path costs ~20 ms over a decode
+    forward, batch 16 (where it costs next to nothing) was priced with it and drafted
+    nothing for 86-107 steps while it faded, in both SPECSERVE modes (2026-12-07,
+    BENCHMARKS.md). A band's own fit starts at the profile and keeps what it learnt there."""
+
+    def __init__(self, make: Callable[[], StepCostCorrection]) -> None:
+        self._make = make
+        self._bands: dict[int, StepCostCorrection] = {}
+        self.last = self.for_batch(1)  # the band a step priced or observed last
+
+    @staticmethod
+    def band(batch: int) -> int:
+        return int(math.floor(math.log2(max(batch, 1)) / 2.0 + 0.5))
+
+    def for_batch(self, batch: int) -> StepCostCorrection:
+        """The correction of `batch`'s band (made on its first use), now `last`."""
+        b = self.band(batch)
+        corr = self._bands.get(b)
+        if corr is None:
+            corr = self._bands[b] = self._make()
+        self.last = corr
+        return corr
 
 
 def solve3(A: list[list[float]], b: list[float]) -> list[float] | None:

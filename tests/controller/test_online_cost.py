@@ -538,8 +538,9 @@ def test_verified_tokens_learnt_cheap_at_batch_1_keep_the_profiles_price_at_batc
     verified token costs next to nothing (the verify path's fixed cost took the difference)
     teach a verified-token scale of ~0. SGLang's CPU engine, going from C = 1 to 16 so,
     priced batch 16's tokens at 1/64 of theirs and verified 24-37 tokens a step for 27
-    steps. A scale that makes tokens cheaper than the profile holds within 2x of the batch
-    sizes it was learnt at; elsewhere the profile's price does, until steps there verify."""
+    steps. What a band of batch sizes learnt holds there; another band starts at the
+    profile's price, until steps there verify (and a scale cheaper than the profile holds
+    within 2x of the batch sizes it was learnt at, within a band too)."""
     b = 2.2e-3
     cost = dataclasses.replace(COST, target=dataclasses.replace(COST.target, b=b),
                                verify_fixed=0.005, rough=True)
@@ -551,8 +552,8 @@ def test_verified_tokens_learnt_cheap_at_batch_1_keep_the_profiles_price_at_batc
     assert policy.correction.theta_verify < 0.5  # learnt: cheaper than profiled at batch 1
     token = {B: StepTimer(policy._current_prices(B).cost, make_step(B)).token_time
              for B in (1, 2, 16)}
-    assert token[1] < 0.5 * b and token[2] == token[1]  # within 2x: the learnt price
-    assert token[16] == pytest.approx(b)  # further off: the profile's
+    assert token[1] < 0.5 * b  # the learnt price
+    assert token[2] == token[16] == pytest.approx(b)  # other bands: the profile's
     # once steps at batch 16 verify, what they teach holds there
     for _ in range(30):
         step = make_step(16, context=512)
@@ -664,3 +665,29 @@ def test_a_verify_path_below_its_floor_does_not_raise_the_tokens_price():
     for k in (16, 32):
         price = c.theta_verify * 0.0013 * k + c.verify_fixed
         assert price == pytest.approx(0.0008 * k, rel=0.2)
+
+
+def test_a_verify_path_learnt_dear_at_batch_1_does_not_price_batch_16():
+    """A minute at batch 1 where the verify path costs 20 ms over a decode forward against
+    a profiled 10, then batch 16: its steps are priced by their own band's fit (the
+    profile's at first), not by batch 1's window; SGLang's CPU runtime drafted nothing at
+    batch 16 for ~100 steps while batch 1's v faded (2026-12-07). Back at batch 1 its band
+    still holds what it learnt."""
+    cost = dataclasses.replace(COST, verify_fixed=0.01)
+    policy = SpecServePolicy(cost, 4, prior=0.9)
+    for _ in range(200):
+        step = make_step(1, context=256)
+        plan = policy.plan(step)
+        k = np.ones(1, dtype=np.int64)
+        truth = StepTimer(cost, step).plain
+        policy.observe(plan, VerifyOutcome(
+            drafted=k, verified=k, accepted=k, confidences=np.full((1, 1), 0.9),
+            step_time=truth + 0.03, draft_time=0.005,
+            verify_time=truth - cost.overhead + 0.02 + StepTimer(cost, step).token_time))
+    assert policy.correction is not None
+    assert policy.correction.verify_fixed > 0.012
+    assert policy._current_prices(16).cost.verify_fixed == pytest.approx(0.01)
+    assert policy._current_prices(1).cost.verify_fixed > 0.012
+    from sloserve.estimator.online_cost import BatchCorrections
+    assert [BatchCorrections.band(b) for b in (1, 2, 4, 7, 8, 16, 31, 32)] == \
+        [0, 1, 1, 1, 2, 2, 2, 3]

@@ -860,8 +860,8 @@ def test_a_shapes_first_step_is_cold_and_its_times_teach_the_policy_nothing(tmp_
     policy = SpecServePolicy(COST, 3)
     ctl = StepController(policy, 3, sweep=(2,), timings_path=str(timings),
                          draft_cost=COST.draft)
-    corr = policy.correction
-    assert corr is not None
+    assert policy.corrections is not None
+    corr = policy.corrections.for_batch(2)  # the band of the steps below
 
     def step(rids: list[str], verify: float) -> dict:
         d = ctl.begin(rids, [300] * len(rids), [None] * len(rids))

@@ -22,7 +22,12 @@ import numpy as np
 
 from sloserve.estimator.acceptance import ConfidenceCalibrator
 from sloserve.estimator.cost_model import CostModel
-from sloserve.estimator.online_cost import PROFILE_MAX_SCALE, ROUGH_MAX_SCALE, StepCostCorrection
+from sloserve.estimator.online_cost import (
+    PROFILE_MAX_SCALE,
+    ROUGH_MAX_SCALE,
+    BatchCorrections,
+    StepCostCorrection,
+)
 from sloserve.estimator.step_time import draft_time
 from sloserve.policies.request_clock import StepStalls
 from sloserve.policies.request_table import RequestTable
@@ -63,9 +68,10 @@ class SpecServePolicy(SpecPolicy):
         self.g = calibrator or ConfidenceCalibrator()
         self.history = RequestTable()
         self.prior = opts.prior
-        self.correction = (StepCostCorrection(
+        # the online correction, one fit per band of batch sizes (online_cost.py)
+        self.corrections = (BatchCorrections(lambda: StepCostCorrection(
             verify_fixed=cost.verify_fixed, clip=opts.price_clip, anchor=opts.price_anchor,
-            max_scale=ROUGH_MAX_SCALE if cost.rough else PROFILE_MAX_SCALE)
+            max_scale=ROUGH_MAX_SCALE if cost.rough else PROFILE_MAX_SCALE))
             if opts.correct_cost else None)
         self.prices = Prices(cost)
         self.guard = OverrunGuard(opts.overrun_window, opts.initial_overrun)
@@ -217,7 +223,7 @@ class SpecServePolicy(SpecPolicy):
         # scale learning only from steps that verify (SGLang, C = 4, 2026-12-06)
         if outcome.step_time > 0.0 and not outcome.cold:
             predicted, drafting = self._predicted(plan, outcome)
-            if self.correction is not None and not step.prefill_tokens:
+            if self.corrections is not None and not step.prefill_tokens:
                 self._correct_prices(plan, outcome, predicted, drafting)
             # overruns matter only to the SLO rule: measured on steps with an SLO
             if plan.slo < float("inf"):
@@ -242,6 +248,12 @@ class SpecServePolicy(SpecPolicy):
             elif seen.any():
                 mean = float(np.asarray(plan.predictions())[seen].mean())
                 self.prior += PRIOR_EMA * (mean - self.prior)
+
+    @property
+    def correction(self) -> StepCostCorrection | None:
+        """The online correction of the batch band the policy priced or learnt from last
+        (None: correct_cost off)."""
+        return self.corrections.last if self.corrections is not None else None
 
     def _learn_first(self, plan: SpecServePlan, outcome: VerifyOutcome) -> None:
         """Update the requests' first-round predictions (history.first) from this step.
@@ -295,9 +307,11 @@ class SpecServePolicy(SpecPolicy):
     def _current_prices(self, batch: int | None = None) -> Prices:
         """The profile with the correction's current scales (rebuilt when they moved), for a
         step of `batch` requests (None: as learnt, whatever the batch)."""
-        corr, prices = self.correction, self.prices
-        if corr is None:
+        prices = self.prices
+        if self.corrections is None:
             return prices
+        corr = (self.corrections.last if batch is None
+                else self.corrections.for_batch(batch))
         overhead = corr.overhead
         theta_verify = corr.theta_verify
         # A verified token's price moves with the batch in ways one scale cannot follow
@@ -354,7 +368,8 @@ class SpecServePolicy(SpecPolicy):
         """Feed the correction this step in profile seconds (its features). Steps with
         prefill chunks stay out: their time is mostly the prefill, priced apart, whose error
         the fit would spread over the speculation scales."""
-        assert self.correction is not None
+        assert self.corrections is not None
+        correction = self.corrections.for_batch(plan.timer.batch_size)
         timer, prices = plan.timer, plan.inputs.prices
         if drafting is None:
             drafting = draft_time(prices.cost.draft, timer.n, timer.lag, outcome.drafted)
@@ -366,12 +381,12 @@ class SpecServePolicy(SpecPolicy):
                                            timer.batch_size, n_verified)
             if c.verify_fixed:  # the fit's features: the verified tokens' profiled seconds
                 verify = tokens
-            self.correction.observe(
+            correction.observe(
                 plain + verify,
                 drafting / prices.theta_draft, outcome.step_time, outcome.draft_time,
                 measured_target=outcome.verify_time, overhead=c.overhead,
                 verify_part=verify if n_verified else None)
         else:
-            self.correction.observe(timer.plain / prices.theta_target + verify,
+            correction.observe(timer.plain / prices.theta_target + verify,
                                     drafting / prices.theta_draft, outcome.step_time,
                                     outcome.draft_time)
