@@ -140,7 +140,11 @@ def file_stem(system: str) -> str:
 
 
 def ours(system: str) -> bool:
-    """Whether the system is sloserve's SPECSERVE worker (not SGLang's own)."""
+    """Whether the system is sloserve's SPECSERVE worker (not SGLang's own). `sloserve:ar`
+    is not: the launcher starts plain SGLang for policy ar (no worker, no timings lines)."""
+    base = _env_suffixes(system)[0].split("@", 1)[0].removesuffix("/no-profile")
+    if base.startswith("sloserve") and base.split(":")[1:2] == ["ar"]:
+        return False
     return system.startswith(("specserve", "sloserve"))
 
 

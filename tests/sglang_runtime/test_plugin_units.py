@@ -272,6 +272,12 @@ def test_closed_loop_benchmark_runs_each_system_as_named():
 
     assert file_stem("sloserve-ngram::per-request/no-profile") == \
         "sloserve-ngram--per-request-no-profile"
+    from sloserve.bench.sglang_specserve import ours
+
+    # policy ar starts plain SGLang (no SPECSERVE worker, no timings lines to read)
+    assert ours("sloserve") and ours("sloserve:lut") and ours("sloserve-ngram::per-request")
+    assert not ours("sloserve:ar") and not ours("sloserve:ar@/w/d/row")
+    assert not ours("plain") and not ours("standalone:1")
 
 
 def test_interleaved_repeats_give_every_system_the_same_mean_position():
