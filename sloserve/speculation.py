@@ -67,6 +67,10 @@ class StepInfo:
     # token from the step), where a policy's allowance counted r's expected draft tokens;
     # None: the same as step_limits
     one_token_limits: np.ndarray | None = None
+    # [B] float64 >= 1: how much each request's expected draft tokens count in the plan's
+    # objective (specserve-slo's slo_weight: a request behind its SLO needs them to meet
+    # it); None: 1 each
+    token_weights: np.ndarray | None = None
 
     @property
     def batch_size(self) -> int:

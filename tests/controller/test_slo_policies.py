@@ -19,7 +19,7 @@ from sloserve.policies.adaserve import (
 from sloserve.policies.registry import make_policy
 from sloserve.policies.request_clock import RequestClock, StepStalls
 from sloserve.policies.specserve import SpecServePolicy
-from sloserve.policies.specserve.budgets import expected_allowance, step_budgets
+from sloserve.policies.specserve.budgets import expected_allowance, step_budgets, token_weights
 from sloserve.policies.specserve.slo_policy import SloSpecServePolicy
 from sloserve.speculation import VerifyOutcome
 
@@ -236,6 +236,27 @@ def test_a_hopeless_tight_request_does_not_turn_speculation_off_for_the_batch():
     custom = SloSpecServePolicy(COST, 8, prior=0.9)
     assert not base.plan(step).drafting.any()
     assert custom.plan(step).drafting.any()
+
+
+def test_token_weights_count_a_request_behind_its_slo_by_how_far_behind():
+    """Budget below the plain step (0.05 s): weight plain / budget, capped; at or above it,
+    or without an SLO: 1; a budget at or below 0: the cap."""
+    slo = np.array([0.04, 0.02, 0.1, np.inf, 0.03])
+    slack = np.array([0.0, 0.0, 0.0, 0.0, -0.05])
+    w = token_weights(slo, slack, 0.05, cap=2.0)
+    np.testing.assert_allclose(w, [1.25, 2.0, 1.0, 1.0, 2.0])
+
+
+def test_slo_weight_drafts_for_a_request_that_needs_the_tokens():
+    """A draft round dear enough (its fixed cost) that drafting does not raise the batch's
+    tokens a second: specserve-slo drafts nothing; with slo_weight, a request whose SLO is a
+    third of the plain step counts its draft tokens 3x and the round is taken, with it in."""
+    cost = dataclasses.replace(COST, draft=dataclasses.replace(COST.draft, c=COST.draft.c * 6.5))
+    step = make_step(4, slo=np.ones(4))
+    plain = StepTimer(cost, step).plain
+    step = dataclasses.replace(step, tpot_slo=np.array([0.3 * plain, 1.0, 1.0, 1.0]))
+    assert not SloSpecServePolicy(cost, 8, prior=0.8).plan(step).drafting.any()
+    assert SloSpecServePolicy(cost, 8, prior=0.8, slo_weight=3.0).plan(step).drafting[0]
 
 
 def test_slack_lets_a_request_allow_a_longer_step():

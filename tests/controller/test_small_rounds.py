@@ -129,6 +129,24 @@ def test_small_batch_path_decides_as_the_numpy_path_with_per_request_limits():
     assert {0, 1, 2, "subset"} <= exercised
 
 
+def test_small_batch_path_decides_as_the_numpy_path_with_slo_weights():
+    """specserve-slo with slo_weight: requests behind their SLOs count their draft tokens
+    more when a round is chosen (StepInfo.token_weights): both paths alike."""
+    from sloserve.policies.specserve.slo_policy import SloSpecServePolicy
+
+    rng = np.random.default_rng(13)
+    numpy_path = SloSpecServePolicy(KNEE, 8, small_batch=0, slo_weight=2.0)
+    small_path = SloSpecServePolicy(KNEE, 8, small_batch=64, slo_weight=2.0)
+    exercised = set()
+    for t in range(150):
+        B = int(rng.integers(1, 9))
+        step = dataclasses.replace(_random_step(rng, B, t, False),
+                                   tpot_slo=rng.uniform(0.01, 0.12, B))
+        conf = rng.beta(2.0, 1.2, (B, 8))
+        exercised |= _compare(numpy_path, small_path, step, conf, t)
+    assert {0, 1, 2, "subset"} <= exercised
+
+
 def test_small_batch_path_decides_as_the_numpy_path_with_credited_catch_ups():
     """Long catch-ups (a prompt the draft never read) priced less their credit under TPOT
     limits, which hold the step's time with the whole catch-up (StepTimer.excused): both

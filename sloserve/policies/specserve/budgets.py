@@ -62,6 +62,24 @@ def step_budgets(tpot_slo: np.ndarray, slack: np.ndarray, plain_time: float,
     return np.maximum(budget, plain_time + stall)
 
 
+def token_weights(tpot_slo: np.ndarray, slack: np.ndarray, plain_time: float,
+                  cap: float, share: float = SLACK_SHARE, stall: float = 0.0) -> np.ndarray:
+    """[B] >= 1: how much each request's expected draft tokens count in the plan's objective.
+    A request whose budget (step_budgets' before its floor) is below the plain step and its
+    stall meets its SLO only with more than one token a step: its tokens count
+    (plain_time + stall) / budget times, at most `cap` (a budget at or below 0: `cap`); the
+    others, and requests without an SLO, 1. Arguments as step_budgets'."""
+    slo = np.asarray(tpot_slo, dtype=np.float64)
+    slack = np.asarray(slack, dtype=np.float64)
+    finite = np.isfinite(slo)
+    raw = np.where(finite, slo, 0.0) + np.where(slack > 0.0, share * slack,
+                                                 np.where(finite, slack, 0.0))
+    floor = plain_time + stall
+    with np.errstate(divide="ignore"):
+        w = np.where(raw > 0.0, floor / np.where(raw > 0.0, raw, 1.0), cap)
+    return np.where(finite, np.clip(w, 1.0, cap), 1.0)
+
+
 def expected_allowance(budget: np.ndarray, acceptance: np.ndarray, stall: float = 0.0,
                        slack: np.ndarray | None = None, floor: float = 0.0) -> np.ndarray:
     """[B] the step time each request allows a speculative step: budget_r * (1 + a_r) -

@@ -88,6 +88,15 @@ class SpecServeOptions:
     # +4.6% over the same server without (2-core AMX Xeon, 2026-12-07, BENCHMARKS.md): at
     # batch 4 the window had priced the verify path at 18 ms against 7 anchored
     price_anchor: float = 0.998
+    # specserve-slo: a request whose budget this step is below the plain step (it meets its
+    # SLO only with more than one token a step) counts its expected draft tokens
+    # min(slo_weight, plain step / budget) times in the plan's objective, so speculation
+    # that holds the batch's tokens a second but brings those requests under their SLOs is
+    # taken (AdaServe's SLO-customised selection, in SpecServe's objective). 0: off.
+    # Unmeasured (2026-12-07: the default drafted in 1.2% of its batch-4-7 steps at 0.6x of
+    # the SGLang load sweep, where `lut` drafting every step met 53% of tight requests' SLOs
+    # against its 23%)
+    slo_weight: float = 0.0
     score_prefill: bool = False  # True: the paper's E over the whole step, prefill included
     small_batch: int = SMALL_BATCH  # at most this many requests: plans on Python floats
 
@@ -103,6 +112,8 @@ class SpecServeOptions:
         if not (self.price_anchor == 0.0 or 0.98 <= self.price_anchor <= 1.0):
             raise ValueError(f"price_anchor must be 0 (off) or in [0.98, 1], got "
                              f"{self.price_anchor}")
+        if not (self.slo_weight == 0.0 or self.slo_weight >= 1.0):
+            raise ValueError(f"slo_weight must be 0 (off) or >= 1, got {self.slo_weight}")
         if self.overrun_window < 1 or self.initial_overrun < 1.0:
             raise ValueError("overrun_window must be >= 1 and initial_overrun >= 1")
 

@@ -113,6 +113,10 @@ class SpecServePlan(SpecPlan):
         # until that falls below the EMA's weight
         self.seen = np.zeros(B) if seen is None else seen
         self.p_last = np.ones(B)
+        # [B] how much each request's expected draft tokens count when a round is chosen
+        # (StepInfo.token_weights; None: 1 each). The plan's tokens stay unweighted.
+        self.w = (None if step.token_weights is None
+                  else np.asarray(step.token_weights, dtype=np.float64))
         self.tokens = float(B)  # plain decoding: one token each
         self.time = self.timer.plain
         # seconds of the step outside its scored E (its prefill chunks, unless score_prefill)
@@ -192,7 +196,7 @@ class SpecServePlan(SpecPlan):
         best_e = tokens / (times[0] - self.unscored) * (1.0 + self.inputs.options.start_margin)
         for k in range(1, k_max + 1):
             chain = chain * pred
-            tokens += float(chain.sum())
+            tokens += float(chain.sum() if self.w is None else chain.dot(self.w))
             if times[k] + hidden > self.slo:  # times rise with k: no longer plan fits either
                 break
             e = tokens / (times[k] - self.unscored)
@@ -258,11 +262,12 @@ class SpecServePlan(SpecPlan):
         self.verify_costs = timer.token_time * self.counts
 
     def _first_round(self) -> np.ndarray:
-        return self._grow(0, self.p_last)
+        return self._grow(0, self.p_last if self.w is None else self.p_last * self.w)
 
     def _next_round(self, j: int) -> np.ndarray:
         # requests still drafting whose chain has not collapsed (p_last is 0 for the others)
-        return self._grow(j, self.p_last >= COLLAPSE)
+        live = self.p_last >= COLLAPSE
+        return self._grow(j, live if self.w is None else live * self.w)
 
     def _grow(self, j: int, weight: np.ndarray) -> np.ndarray:
         """Predict and pick the requests that draft position j + 1. weight: [B] 1 for

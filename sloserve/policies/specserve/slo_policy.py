@@ -18,7 +18,12 @@ import numpy as np
 from sloserve.estimator.cost_model import CostModel
 from sloserve.estimator.step_time import StepTimer
 from sloserve.policies.request_clock import RequestClock
-from sloserve.policies.specserve.budgets import SLACK_SHARE, expected_allowance, step_budgets
+from sloserve.policies.specserve.budgets import (
+    SLACK_SHARE,
+    expected_allowance,
+    step_budgets,
+    token_weights,
+)
 from sloserve.policies.specserve.policy import SpecServePolicy
 from sloserve.speculation import SpecPlan, StepInfo, VerifyOutcome
 
@@ -61,7 +66,16 @@ class SloSpecServePolicy(SpecServePolicy):
         # that drafts) and one_token_limits (one that does not: no expected tokens of its
         # own pay for a longer step)
         allow, one = self.limits(step)
-        return super().plan(replace(step, step_allowance=allow, one_token_limits=one))
+        weights = None
+        cap = self.options.slo_weight
+        if cap > 1.0 and np.isfinite(np.asarray(step.tpot_slo, dtype=np.float64)).any():
+            plain = (StepTimer(self._current_prices(step.batch_size).cost, step).plain
+                     * self.guard.scale)
+            weights = token_weights(step.tpot_slo, self.clock.slack(step.request_ids,
+                                    np.asarray(step.tpot_slo, dtype=np.float64)),
+                                    plain, cap, self.slack_share, self.stalls.mean)
+        return super().plan(replace(step, step_allowance=allow, one_token_limits=one,
+                                    token_weights=weights))
 
     def observe(self, plan: SpecPlan, outcome: VerifyOutcome) -> None:
         super().observe(plan, outcome)

@@ -40,10 +40,15 @@ class SmallSpecServePlan(SpecServePlan):
         self.p_last_l = [1.0] * self.step.batch_size
 
     def _first_round(self) -> np.ndarray:
-        return self._grow_small(0, self.p_last_l)
+        if self.w is None:
+            return self._grow_small(0, self.p_last_l)
+        return self._grow_small(0, [p * w for p, w in zip(self.p_last_l, self.w.tolist())])
 
     def _next_round(self, j: int) -> np.ndarray:
-        return self._grow_small(j, [p >= COLLAPSE for p in self.p_last_l])
+        live = [p >= COLLAPSE for p in self.p_last_l]
+        if self.w is None:
+            return self._grow_small(j, live)
+        return self._grow_small(j, [w if x else 0.0 for x, w in zip(live, self.w.tolist())])
 
     def predictions(self) -> list[float]:
         return self.pred_l
