@@ -93,9 +93,9 @@ class SpecServeOptions:
     # min(slo_weight, plain step / budget) times in the plan's objective, so speculation
     # that holds the batch's tokens a second but brings those requests under their SLOs is
     # taken (AdaServe's SLO-customised selection, in SpecServe's objective). 0: off.
-    # Unmeasured (2026-12-07: the default drafted in 1.2% of its batch-4-7 steps at 0.6x of
-    # the SGLang load sweep, where `lut` drafting every step met 53% of tight requests' SLOs
-    # against its 23%)
+    # Off: on SGLang's load sweep on the 2-core EPYC at 0.6x, level with the default at 2
+    # and 9% below it at 4, its added batch-4-7 drafting steps dearer than the tokens they
+    # brought (2026-12-07, BENCHMARKS.md)
     slo_weight: float = 0.0
     score_prefill: bool = False  # True: the paper's E over the whole step, prefill included
     small_batch: int = SMALL_BATCH  # at most this many requests: plans on Python floats
