@@ -111,40 +111,34 @@ def test_small_batch_path_decides_as_the_numpy_path(cost, options):
     assert {0, 1, 2} <= exercised  # plain steps, one draft round and more were all compared
 
 
-def test_small_batch_path_decides_as_the_numpy_path_with_per_request_limits():
-    """specserve-slo's plans hold a first round's prefix of drafters to their allowances and
-    the others to their one-token limits (StepInfo.one_token_limits): both paths alike."""
+def _compare_slo_steps(seed: int, slo_low: float, **options) -> set:
+    """150 random steps of specserve-slo with per-request SLOs in [slo_low, 0.12) s through
+    the numpy and the small-batch plans (asserting they decide alike); what they exercised."""
     from sloserve.policies.specserve.slo_policy import SloSpecServePolicy
 
-    rng = np.random.default_rng(11)
-    numpy_path = SloSpecServePolicy(KNEE, 8, small_batch=0)
-    small_path = SloSpecServePolicy(KNEE, 8, small_batch=64)
+    rng = np.random.default_rng(seed)
+    numpy_path = SloSpecServePolicy(KNEE, 8, small_batch=0, **options)
+    small_path = SloSpecServePolicy(KNEE, 8, small_batch=64, **options)
     exercised = set()
     for t in range(150):
         B = int(rng.integers(1, 9))
         step = dataclasses.replace(_random_step(rng, B, t, False),
-                                   tpot_slo=rng.uniform(0.015, 0.12, B))
+                                   tpot_slo=rng.uniform(slo_low, 0.12, B))
         conf = rng.beta(2.0, 1.2, (B, 8))
         exercised |= _compare(numpy_path, small_path, step, conf, t)
-    assert {0, 1, 2, "subset"} <= exercised
+    return exercised
+
+
+def test_small_batch_path_decides_as_the_numpy_path_with_per_request_limits():
+    """specserve-slo's plans hold a first round's prefix of drafters to their allowances and
+    the others to their one-token limits (StepInfo.one_token_limits): both paths alike."""
+    assert {0, 1, 2, "subset"} <= _compare_slo_steps(11, 0.015)
 
 
 def test_small_batch_path_decides_as_the_numpy_path_with_slo_weights():
     """specserve-slo with slo_weight: requests behind their SLOs count their draft tokens
     more when a round is chosen (StepInfo.token_weights): both paths alike."""
-    from sloserve.policies.specserve.slo_policy import SloSpecServePolicy
-
-    rng = np.random.default_rng(13)
-    numpy_path = SloSpecServePolicy(KNEE, 8, small_batch=0, slo_weight=2.0)
-    small_path = SloSpecServePolicy(KNEE, 8, small_batch=64, slo_weight=2.0)
-    exercised = set()
-    for t in range(150):
-        B = int(rng.integers(1, 9))
-        step = dataclasses.replace(_random_step(rng, B, t, False),
-                                   tpot_slo=rng.uniform(0.01, 0.12, B))
-        conf = rng.beta(2.0, 1.2, (B, 8))
-        exercised |= _compare(numpy_path, small_path, step, conf, t)
-    assert {0, 1, 2, "subset"} <= exercised
+    assert {0, 1, 2, "subset"} <= _compare_slo_steps(13, 0.01, slo_weight=2.0)
 
 
 def test_small_batch_path_decides_as_the_numpy_path_with_credited_catch_ups():
