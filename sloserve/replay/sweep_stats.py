@@ -40,7 +40,15 @@ def run_stats(run: PolicyRun, classes: Mapping[str, str], slo: SloConfig) -> dic
         "throughput_rps": sum(m.success for m in per) / duration if duration > 0 else 0.0,
         "tpot_p50_ms": 1000.0 * float(np.median(tpots)) if tpots else None,
         "mean_k": mean_k(run),
+        # per request, in the run's order: [class, TTFT ms, TPOT ms (None: one token or
+        # failed), met both SLOs], to see which requests a policy kept and by how much
+        "requests": [[classes.get(m.request_id, "all"), _ms(m.ttft_s), _ms(m.tpot_s),
+                      met[m.request_id]] for m in per],
     }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(1000.0 * seconds, 1)
 
 
 def mean_k(run: PolicyRun) -> float | None:

@@ -87,6 +87,10 @@ def test_run_stats_count_each_request_against_its_own_slo():
     assert stats["class_attainment"] == {"base": 1.0, "loose": 0.0, "tight": 0.0}
     assert stats["attainment"] == pytest.approx(1 / 3)
     assert stats["goodput_rps"] == pytest.approx(1 / recs[2].end_s)
+    # each request's own row: class, TTFT and TPOT in ms, whether it met both
+    assert [r[0] for r in stats["requests"]] == ["tight", "base", "loose"]
+    assert stats["requests"][0][1:] == [pytest.approx(100.0), pytest.approx(15.0), False]
+    assert [r[3] for r in stats["requests"]] == [False, True, False]
 
 
 def test_aggregate_pairs_seeds():
