@@ -111,14 +111,16 @@ def test_stalls_between_steps_hold_speculation_back(name):
     """The same batch, SLO and plain steps, with and without a stall after each step (SGLang's
     prefills between decode steps: a request's TPOT counts them) that puts the requests
     behind their SLO: the SLO rules then allow shorter steps and plan no more drafts
-    (specserve, held to the SLO less the stall, fewer)."""
+    (specserve, held to the SLO less the stall, fewer). specserve-slo without slo_weight:
+    with it, requests behind their SLOs count their draft tokens more and may draft more
+    (test_slo_weight_drafts_for_a_request_that_needs_the_tokens)."""
     ids = [f"r{i}" for i in range(4)]
     step = make_step(4, slo=0.2, ids=ids)
     plain = StepTimer(COST, step).plain
 
     def after(stall: float) -> tuple[float, int]:
         policy = (SpecServePolicy(COST, 8, prior=0.8) if name == "specserve"
-                  else SloSpecServePolicy(COST, 8, prior=0.8))
+                  else SloSpecServePolicy(COST, 8, prior=0.8, slo_weight=0.0))
         end = 0.0
         for _ in range(100):  # plain steps, each followed by `stall` seconds
             plan = policy.plan(step)
@@ -238,13 +240,15 @@ def test_a_hopeless_tight_request_does_not_turn_speculation_off_for_the_batch():
     assert custom.plan(step).drafting.any()
 
 
-def test_token_weights_count_a_request_behind_its_slo_by_how_far_behind():
-    """Budget below the plain step (0.05 s): weight plain / budget, capped; at or above it,
-    or without an SLO: 1; a budget at or below 0: the cap."""
-    slo = np.array([0.04, 0.02, 0.1, np.inf, 0.03])
-    slack = np.array([0.0, 0.0, 0.0, 0.0, -0.05])
+def test_token_weights_count_the_tokens_of_a_request_plain_decoding_cannot_keep():
+    """Budget (SLO + slack's share) below the plain step (0.05 s) and its stall: the cap,
+    however close; at or above it, or without an SLO: 1."""
+    slo = np.array([0.049, 0.02, 0.1, np.inf, 0.03, 0.04])
+    slack = np.array([0.0, 0.0, 0.0, 0.0, -0.05, 0.04])  # the last: 0.04 + 0.02 saved
     w = token_weights(slo, slack, 0.05, cap=2.0)
-    np.testing.assert_allclose(w, [1.25, 2.0, 1.0, 1.0, 2.0])
+    np.testing.assert_allclose(w, [2.0, 2.0, 1.0, 1.0, 2.0, 1.0])
+    # the stall counts with the plain step: 0.06 is below 0.05 + 0.015
+    np.testing.assert_allclose(token_weights(slo, slack, 0.05, cap=2.0, stall=0.015)[5], 2.0)
 
 
 def test_slo_weight_drafts_for_a_request_that_needs_the_tokens():
@@ -255,7 +259,7 @@ def test_slo_weight_drafts_for_a_request_that_needs_the_tokens():
     step = make_step(4, slo=np.ones(4))
     plain = StepTimer(cost, step).plain
     step = dataclasses.replace(step, tpot_slo=np.array([0.3 * plain, 1.0, 1.0, 1.0]))
-    assert not SloSpecServePolicy(cost, 8, prior=0.8).plan(step).drafting.any()
+    assert not SloSpecServePolicy(cost, 8, prior=0.8, slo_weight=0.0).plan(step).drafting.any()
     assert SloSpecServePolicy(cost, 8, prior=0.8, slo_weight=3.0).plan(step).drafting[0]
 
 

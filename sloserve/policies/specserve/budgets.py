@@ -66,18 +66,19 @@ def token_weights(tpot_slo: np.ndarray, slack: np.ndarray, plain_time: float,
                   cap: float, share: float = SLACK_SHARE, stall: float = 0.0) -> np.ndarray:
     """[B] >= 1: how much each request's expected draft tokens count in the plan's objective.
     A request whose budget (step_budgets' before its floor) is below the plain step and its
-    stall meets its SLO only with more than one token a step: its tokens count
-    (plain_time + stall) / budget times, at most `cap` (a budget at or below 0: `cap`); the
-    others, and requests without an SLO, 1. Arguments as step_budgets'."""
+    stall meets its SLO only with more than one token a step: its tokens count `cap` times;
+    the others, and requests without an SLO, once. A step, not the ratio (plain + stall) /
+    budget: a request just on its SLO, whose ratio is ~1.3 where the SLO is a few ms above
+    plain decoding's pace, needs its draft tokens as much as one far behind (each step
+    without them puts it further behind), and a ratio that small did not take the draft
+    round its catch-up made dear (SGLang's load sweep, docs/design.md sec. 14). Arguments as
+    step_budgets'."""
     slo = np.asarray(tpot_slo, dtype=np.float64)
     slack = np.asarray(slack, dtype=np.float64)
     finite = np.isfinite(slo)
     raw = np.where(finite, slo, 0.0) + np.where(slack > 0.0, share * slack,
                                                  np.where(finite, slack, 0.0))
-    floor = plain_time + stall
-    with np.errstate(divide="ignore"):
-        w = np.where(raw > 0.0, floor / np.where(raw > 0.0, raw, 1.0), cap)
-    return np.where(finite, np.clip(w, 1.0, cap), 1.0)
+    return np.where(finite & (raw < plain_time + stall), max(cap, 1.0), 1.0)
 
 
 def expected_allowance(budget: np.ndarray, acceptance: np.ndarray, stall: float = 0.0,

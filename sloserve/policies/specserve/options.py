@@ -88,15 +88,14 @@ class SpecServeOptions:
     # +4.6% over the same server without (2-core AMX Xeon, 2026-12-07, BENCHMARKS.md): at
     # batch 4 the window had priced the verify path at 18 ms against 7 anchored
     price_anchor: float = 0.998
-    # specserve-slo: a request whose budget this step is below the plain step (it meets its
-    # SLO only with more than one token a step) counts its expected draft tokens
-    # min(slo_weight, plain step / budget) times in the plan's objective, so speculation
-    # that holds the batch's tokens a second but brings those requests under their SLOs is
-    # taken (AdaServe's SLO-customised selection, in SpecServe's objective). 0: off.
-    # Off: on SGLang's load sweep on the 2-core EPYC at 0.6x, level with the default at 2
-    # and 9% below it at 4, its added batch-4-7 drafting steps dearer than the tokens they
-    # brought (2026-12-07, BENCHMARKS.md)
-    slo_weight: float = 0.0
+    # specserve-slo: a request whose budget this step is below the plain step and its stall
+    # (it meets its SLO only with more than one token a step) counts its expected draft
+    # tokens slo_weight times in the plan's objective (budgets.token_weights), so
+    # speculation that costs the batch a few tokens a second but keeps those requests on
+    # their SLOs is taken (AdaServe's SLO-customised selection, in SpecServe's objective);
+    # the plan's tokens, its step limits and the elimination stay unweighted. 0 or 1: off.
+    # Measured: docs/design.md sec. 14 and BENCHMARKS.md (2026-12-07)
+    slo_weight: float = 2.0
     score_prefill: bool = False  # True: the paper's E over the whole step, prefill included
     small_batch: int = SMALL_BATCH  # at most this many requests: plans on Python floats
 
