@@ -119,7 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--servers", choices=("all", "one"), default="all",
                    help="all: every system's server up at once, each cell replayed on all in "
                         "turn; one: one server at a time, every cell of a system before the "
-                        "next (on 24 GB at most five SGLang servers fit at once)")
+                        "next (on 24 GB, six or seven SGLang servers fit at once with ~10 GB of swap: "
+                        "each run is preceded by four unmeasured requests that page its "
+                        "server back in)")
     g.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="measure each server from its start (default: warmed first by closed "
                         "loops of 2x16 requests at 16 in flight and 2 at 1, as the SGLang "
@@ -227,6 +229,7 @@ class SGLangServers:
         from sloserve.bench.sglang_specserve import (
             Server,
             bench_prompts,
+            closed_loop,
             file_stem,
             ours,
             sglang_python,
@@ -241,6 +244,12 @@ class SGLangServers:
         assert draft is not None
         ids, _ = bench_prompts(target, args.prompt_tokens, "auto")
         self.prompts = ChatPrompts(ids)
+        # before each run, with every server up: four short requests at once, unmeasured.
+        # Six or seven servers hold more than this machine's memory and the idle ones are
+        # swapped out; without it a run's first prefills paged its server back in
+        # (STANDALONE's 0.3x run took 16 s of prefills against plain's 5, 2026-12-07)
+        self._touch = (None if one_at_a_time
+                       else lambda server: closed_loop(server, ids, 4, 4, 16))
         logs = args.out / "server_logs"
         logs.mkdir(parents=True, exist_ok=True)
         python = sglang_python()
@@ -290,11 +299,14 @@ class SGLangServers:
         tokens on a CPU) holds ~30 of the pool's prompts, and which depended on the runs
         before (plain's capacity probe, on plain's server alone, left the first cells'
         prompts cached there and nowhere else). SGLang flushes only an idle server: the
-        last run's requests may still be leaving it."""
+        last run's requests may still be leaving it. With every server up, the server is
+        first paged back in (`_touch`)."""
         import urllib.error
         import urllib.request
 
         url = self.url(system) + "/flush_cache"
+        if self._touch is not None:
+            self._touch(self.servers[system])
         for _ in range(40):
             try:
                 with urllib.request.urlopen(urllib.request.Request(url, method="POST"),
