@@ -94,7 +94,9 @@ class SpecServeOptions:
     # speculation that costs the batch a few tokens a second but keeps those requests on
     # their SLOs is taken (AdaServe's SLO-customised selection, in SpecServe's objective);
     # the plan's tokens, its step limits and the elimination stay unweighted. 0 or 1: off.
-    # Measured: docs/design.md sec. 14 and BENCHMARKS.md (2026-12-07)
+    # On: in SGLang's load sweep on the 2-core EPYC, side by side with off, +4.6% by the mean
+    # of the four loads' paired means, each inside its seeds' range (docs/design.md sec. 14,
+    # BENCHMARKS.md 2026-12-07)
     slo_weight: float = 2.0
     score_prefill: bool = False  # True: the paper's E over the whole step, prefill included
     small_batch: int = SMALL_BATCH  # at most this many requests: plans on Python floats
