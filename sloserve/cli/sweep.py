@@ -184,6 +184,7 @@ class Sweep:
         a = self.args
         target: Any
         if self.servers is not None:
+            self.servers.touch(policy)
             self.servers.flush(policy)
             target = SGLangHTTPTarget(self.servers.url(policy), send_slos=True)
         else:
@@ -293,20 +294,22 @@ class SGLangServers:
             self._start(system)
         return str(self.servers[system].url)
 
+    def touch(self, system: str) -> None:
+        """With every server up: page the system's server back in before its run (`_touch`)."""
+        if self._touch is not None:
+            self._touch(self.servers[system])
+
     def flush(self, system: str) -> None:
         """Empty the system's prefix cache (SGLang's /flush_cache), so that every run
         starts from the same cache whatever ran on the server before it: its KV pool (8,192
         tokens on a CPU) holds ~30 of the pool's prompts, and which depended on the runs
         before (plain's capacity probe, on plain's server alone, left the first cells'
         prompts cached there and nowhere else). SGLang flushes only an idle server: the
-        last run's requests may still be leaving it. With every server up, the server is
-        first paged back in (`_touch`)."""
+        last run's requests may still be leaving it."""
         import urllib.error
         import urllib.request
 
         url = self.url(system) + "/flush_cache"
-        if self._touch is not None:
-            self._touch(self.servers[system])
         for _ in range(40):
             try:
                 with urllib.request.urlopen(urllib.request.Request(url, method="POST"),

@@ -47,16 +47,25 @@ class SloSpecServePolicy(SpecServePolicy):
     def limits(self, step: StepInfo) -> tuple[np.ndarray, np.ndarray]:
         """([B] the step time each request allows if it drafts, [B] if it drafts nothing and
         gets one token from the step), seconds (inf: binds nothing)."""
+        allow, one, _ = self._limits(step)
+        return allow, one
+
+    def _limits(self, step: StepInfo) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """limits' two arrays and the [B] token weights (budgets.token_weights; None where
+        slo_weight is off or no request has an SLO), from one plain step, stall and slack."""
         slo = np.asarray(step.tpot_slo, dtype=np.float64)
         if not np.isfinite(slo).any():
-            return slo.copy(), slo.copy()
+            return slo.copy(), slo.copy(), None
         plain = StepTimer(self._current_prices(step.batch_size).cost, step).plain * self.guard.scale
         stall = self.stalls.mean
         slack = self.clock.slack(step.request_ids, slo)
         budget = step_budgets(slo, slack, plain, self.slack_share, stall)
         predicted = self.history.values[self.history.slots(step.request_ids, fill=self.prior)]
+        cap = self.options.slo_weight
+        weights = (token_weights(slo, slack, plain, cap, self.slack_share, stall)
+                   if cap > 1.0 else None)
         return (expected_allowance(budget, predicted, stall, slack, plain + stall),
-                budget - stall)
+                budget - stall, weights)
 
     def plan(self, step: StepInfo) -> SpecPlan:
         self.clock.track(step.request_ids)
@@ -65,15 +74,7 @@ class SloSpecServePolicy(SpecServePolicy):
         # the allowances are step times, not SLOs: they travel as step_allowance (a request
         # that drafts) and one_token_limits (one that does not: no expected tokens of its
         # own pay for a longer step)
-        allow, one = self.limits(step)
-        weights = None
-        cap = self.options.slo_weight
-        if cap > 1.0 and np.isfinite(np.asarray(step.tpot_slo, dtype=np.float64)).any():
-            plain = (StepTimer(self._current_prices(step.batch_size).cost, step).plain
-                     * self.guard.scale)
-            weights = token_weights(step.tpot_slo, self.clock.slack(step.request_ids,
-                                    np.asarray(step.tpot_slo, dtype=np.float64)),
-                                    plain, cap, self.slack_share, self.stalls.mean)
+        allow, one, weights = self._limits(step)
         return super().plan(replace(step, step_allowance=allow, one_token_limits=one,
                                     token_weights=weights))
 
