@@ -276,6 +276,7 @@ class StepController:
             guard = getattr(self.policy, "guard", None)
             if guard is not None:  # the SLO rule's overrun scale after this step
                 row["overrun"] = round(guard.scale, 4)
+                row["overrun_mean"] = round(guard.mean, 4)
             stalls = getattr(self.policy, "stalls", None)
             if stalls is not None:  # seconds between steps the SLO rule now expects
                 row["stall"] = round(stalls.mean, 6)

@@ -20,6 +20,7 @@ from sloserve.policies.registry import make_policy
 from sloserve.policies.request_clock import RequestClock, StepStalls
 from sloserve.policies.specserve import SpecServePolicy
 from sloserve.policies.specserve.budgets import expected_allowance, step_budgets, token_weights
+from sloserve.policies.specserve.overrun import OverrunGuard
 from sloserve.policies.specserve.slo_policy import SloSpecServePolicy
 from sloserve.speculation import VerifyOutcome
 
@@ -186,7 +187,7 @@ def test_a_request_that_drafts_nothing_holds_the_step_to_its_one_token_limit():
         slots = policy.history.slots(ids, fill=policy.prior)
         policy.history.values[slots] = rng.uniform(0.05, 0.95, B)
         allow, one = policy.limits(step)
-        scale = policy.guard.scale
+        scale = policy.slo_scale()
         plan = policy.plan(step)
         drafting, drafted = plan.drafting, np.zeros(B, dtype=np.int64)
         conf = rng.uniform(0.05, 0.95, (B, 8))
@@ -219,7 +220,7 @@ def test_a_uniform_step_is_held_to_the_smallest_allowance():
         policy.history.values[policy.history.slots(ids, fill=policy.prior)] = \
             rng.uniform(0.05, 0.95, B)
         allow, _ = policy.limits(step)
-        scale = policy.guard.scale
+        scale = policy.slo_scale()
         plan = policy.plan(step)
         k = plan.batch_rounds()
         assert plan.slo == pytest.approx(allow.min() / scale)
@@ -261,6 +262,45 @@ def test_slo_weight_drafts_for_a_request_that_needs_the_tokens():
     step = dataclasses.replace(step, tpot_slo=np.array([0.3 * plain, 1.0, 1.0, 1.0]))
     assert not SloSpecServePolicy(cost, 8, prior=0.8, slo_weight=0.0).plan(step).drafting.any()
     assert SloSpecServePolicy(cost, 8, prior=0.8, slo_weight=3.0).plan(step).drafting[0]
+
+
+def test_overrun_guard_keeps_the_worst_and_the_mean_overrun():
+    """The window's worst for specserve's every-step rule; an EMA of the measured steps for
+    specserve-slo's rule of expectation. Prefill steps count in neither's error."""
+    guard = OverrunGuard(window=64, initial=1.0)
+    for i in range(40):
+        guard.record(2.5 if i == 20 else 1.0)
+    guard.record(5.0, measured=False)
+    assert guard.scale == 2.0  # the one slow step, clipped
+    assert 1.0 <= guard.mean < 1.05  # ... aged out of the mean
+
+
+def test_slo_policy_prices_its_budgets_at_the_mean_overrun():
+    """One step at twice its predicted time among many on time: specserve holds its plans to
+    SLO / 2, and so did specserve-slo's floor, which then put a request whose SLO is 1.5x the
+    plain step at the floor (no plan keeps it). At the mean overrun that request keeps its
+    own budget and allows the step by it; mean_guard=False keeps the worst."""
+    runs = {}
+    for mean_guard in (True, False):
+        policy = SloSpecServePolicy(COST, 8, initial_overrun=1.0, mean_guard=mean_guard)
+        for i in range(60):
+            step = make_step(4, slo=np.full(4, 10.0), ids=[f"w{i}-{j}" for j in range(4)])
+            plan = policy.plan(step)
+            predicted = StepTimer(COST, step).plain
+            policy.observe(plan, plain_outcome(4, (2.0 if i == 5 else 1.0) * predicted))
+        assert policy.guard.scale == pytest.approx(2.0)
+        step = make_step(4, slo=np.ones(4), ids=["a", "b", "c", "d"])
+        plain = StepTimer(COST, step).plain
+        step = dataclasses.replace(step, tpot_slo=np.array([1.5 * plain, 10.0, 10.0, 10.0]))
+        runs[mean_guard] = (policy.slo_scale(), policy.budgets(step)[0], plain,
+                            policy.history.values[policy.history.slots(["a"], 0.0)][0])
+    (mean, allow, plain, _), (worst, floored, _, pred) = runs[True], runs[False]
+    assert mean < 1.1 and worst == pytest.approx(2.0)
+    # its own SLO, one token's worth (nothing saved yet, no stall) ...
+    assert allow == pytest.approx(1.5 * plain)
+    # ... against the floor, the guarded plain step, at plain decoding's pace in expectation
+    # (priced at the online-corrected prices, a percent off the profile's here)
+    assert floored == pytest.approx(2.0 * plain * (1.0 + pred), rel=0.03)
 
 
 def test_slack_lets_a_request_allow_a_longer_step():

@@ -54,6 +54,10 @@ class SpecServeOptions:
     # the last `overrun_window` steps), assumed `initial_overrun` until measured
     overrun_window: int = 1024
     initial_overrun: float = 2.0
+    # specserve-slo prices its budgets' plain step and divides its plans' limits by the
+    # guard's mean overrun, not its worst (slo_policy.py `slo_scale`): its rule is one of
+    # expectation, corrected by each request's clock. False: the worst, as specserve
+    mean_guard: bool = True
     # catch-up tokens priced per request when no TPOT SLO binds (None: all of them)
     lag_cap: float | None = 1.0
     # price the catch-up of a paused request in full less what it forwent by not drafting

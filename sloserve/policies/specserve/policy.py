@@ -106,7 +106,7 @@ class SpecServePolicy(SpecPolicy):
         if ones.size != B:
             ones, counts = self._shape_arrays = np.ones(B), np.arange(1.0, B + 1.0)
         inputs = PlanInputs(self._current_prices(B), self.g, self.options, self.k_max,
-                            self.guard.scale, self.verifier, ones, counts)
+                            self.slo_scale(), self.verifier, ones, counts)
         slots = self.history.slots(step.request_ids, fill=self.prior)
         pred = self.history.values[slots]  # fancy index: a copy the plan owns
         # a request none of whose own drafts was seen yet has its first round planned at
@@ -228,7 +228,7 @@ class SpecServePolicy(SpecPolicy):
             # overruns matter only to the SLO rule: measured on steps with an SLO
             if plan.slo < float("inf"):
                 measured = not step.prefill_tokens and predicted > 0.0
-                self.guard.record(outcome.step_time / predicted if measured else 1.0)
+                self.guard.record(outcome.step_time / predicted if measured else 1.0, measured)
         if step.batch_size:
             if plan.lag_credit is not None:
                 self._earn_credit(plan, outcome.drafted)
@@ -302,6 +302,11 @@ class SpecServePolicy(SpecPolicy):
 
     def release(self, request_id: str) -> None:
         self.history.release(request_id)
+
+    def slo_scale(self) -> float:
+        """What plans divide their SLO limits by (overrun.py): the window's worst overrun,
+        SpecServe's rule holding every step to the SLO."""
+        return self.guard.scale
 
     # ----- prices
     def _current_prices(self, batch: int | None = None) -> Prices:
