@@ -277,9 +277,9 @@ def test_overrun_guard_keeps_the_worst_and_the_mean_overrun():
 
 def test_slo_policy_prices_its_budgets_at_the_mean_overrun():
     """One step at twice its predicted time among many on time: specserve holds its plans to
-    SLO / 2, and so did specserve-slo's floor, which then put a request whose SLO is 1.5x the
-    plain step at the floor (no plan keeps it). At the mean overrun that request keeps its
-    own budget and allows the step by it; mean_guard=False keeps the worst."""
+    SLO / 2, and so does specserve-slo's floor by default (mean_guard off), which puts a
+    request whose SLO is 1.5x the plain step at the floor (no plan keeps it). At the mean
+    overrun (mean_guard on) that request keeps its own budget and allows the step by it."""
     runs = {}
     for mean_guard in (True, False):
         policy = SloSpecServePolicy(COST, 8, initial_overrun=1.0, mean_guard=mean_guard)

@@ -56,8 +56,12 @@ class SpecServeOptions:
     initial_overrun: float = 2.0
     # specserve-slo prices its budgets' plain step and divides its plans' limits by the
     # guard's mean overrun, not its worst (slo_policy.py `slo_scale`): its rule is one of
-    # expectation, corrected by each request's clock. False: the worst, as specserve
-    mean_guard: bool = True
+    # expectation, corrected by each request's clock. Off (the worst, as specserve): side by
+    # side in SGLang's load sweep on the 2-core EPYC (the worst at the 2x clip, the mean at
+    # 1.02 in most steps) it moved the batch bands' draft shares by a few points and the
+    # goodput by +20 / -16 / -6 / -5% at 0.3 / 0.6 / 1 / 1.5x, -1.9% by the loads' mean,
+    # each within the seeds' range (docs/design.md sec. 14, BENCHMARKS.md 2026-12-08)
+    mean_guard: bool = False
     # catch-up tokens priced per request when no TPOT SLO binds (None: all of them)
     lag_cap: float | None = 1.0
     # price the catch-up of a paused request in full less what it forwent by not drafting

@@ -68,10 +68,11 @@ class SloSpecServePolicy(SpecServePolicy):
                 budget - stall, weights)
 
     def slo_scale(self) -> float:
-        """The mean overrun, not the window's worst (options.mean_guard): this rule holds a
-        request's TPOT to its budget in expectation and its clock's slack corrects the
-        steps that ran long, so the worst step of the window priced every plain step at 2x
-        on a shared CPU and made a 150 ms SLO look as unkeepable as a 75 ms one."""
+        """With options.mean_guard the mean overrun, not the window's worst: this rule holds
+        a request's TPOT to its budget in expectation and its clock's slack corrects the
+        steps that ran long, where the worst step of the window prices every plain step at
+        2x on a shared CPU and makes a 150 ms SLO look as unkeepable as a 75 ms one. Off
+        by default: not shown to matter (options.py)."""
         return self.guard.mean if self.options.mean_guard else self.guard.scale
 
     def plan(self, step: StepInfo) -> SpecPlan:
