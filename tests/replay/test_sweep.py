@@ -126,6 +126,34 @@ def test_sweep_command_on_the_simulator(tmp_path):
     assert "| 4x |" in (out / "sweep.md").read_text()
 
 
+def test_the_capacity_probe_can_be_smaller_than_a_cell(tmp_path, monkeypatch):
+    """--probe-requests sets how many requests the capacity probe bursts (the rate unit),
+    apart from --requests a cell; without it the probe is a cell's size. A bad count is a
+    CLI error naming the option."""
+    from sloserve.cli import sweep as sweep_cli
+
+    path = tmp_path / "t.jsonl"
+    write_native(path, trace(200))
+    argv = ["--target", "sim", "--profile", str(H100), "--trace", str(path), "--loads", "1",
+            "--rate-unit", "ar", "--seeds", "0", "--requests", "60", "--policies", "ar,fixed:2", "--default-policy", "fixed:2", "--no-plots"]
+    replay = sweep_cli.Sweep.replay
+    sizes: list[int] = []
+
+    def counts(self, policy, seed, requests):
+        sizes.append(len(requests))
+        return replay(self, policy, seed, requests)
+
+    monkeypatch.setattr(sweep_cli.Sweep, "replay", counts)
+    assert sweep_main(argv + ["--probe-requests", "12", "--out", str(tmp_path / "a")]) == 0
+    assert sizes == [12, 60, 60]  # the probe, then the cell for each policy
+    assert "all 12 requests" in (tmp_path / "a" / "sweep.md").read_text()
+    sizes.clear()
+    assert sweep_main(argv + ["--out", str(tmp_path / "b")]) == 0
+    assert sizes == [60, 60, 60]
+    with pytest.raises(SystemExit, match="--probe-requests"):
+        sweep_main(argv + ["--probe-requests", "0", "--out", str(tmp_path / "c")])
+
+
 def test_a_sweep_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     """--resume replays only the runs --out/runs.jsonl lacks (a sweep cut off by the end of
     a session goes on in the next), and reports what an uninterrupted sweep reports; other
